@@ -1,0 +1,105 @@
+"""Beam search over the recurrent drafter: W candidate continuations of length L.
+
+Semantics follow Apple's ml-recurrent-drafter. ``length`` counts the guaranteed token ``g0``
+(the LLM's own next token), so each beam holds ``length - 1`` drafted tokens. Initial beam
+scores are ``[0, -inf, ...]`` so the first step expands beam 0 only; each step scores every
+(beam, token) pair by beam log-probability plus the drafter's log-softmax, keeps the top
+``width`` pairs (sorted, best first) and carries the parents' RNN states along.
+
+Everything stays on the device: no host synchronisation happens here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .drafter import Drafter
+
+#: A proposer maps (hidden [H], g0 []) to beams [W, L] whose column 0 is g0.
+Proposer = Callable[[mx.array, mx.array], mx.array]
+
+
+@dataclass
+class Beams:
+    tokens: mx.array  # [W, L] int32, tokens[:, 0] == g0, best beam first
+    scores: mx.array  # [W] float32, joint draft log-probability of each beam
+    log_q: mx.array | None = None  # [W, L-1, V_d] per-step draft log-probs (if requested)
+
+
+def top_k_warp(logits: mx.array, k: int) -> mx.array:
+    """Keep the k largest logits of each row, set the rest to -inf. logits: [..., V]."""
+    if k >= logits.shape[-1]:
+        return logits
+    kth = mx.sort(mx.topk(logits, k, axis=-1), axis=-1)[..., :1]  # [..., 1], k-th largest
+    return mx.where(logits < kth, mx.array(-mx.inf, logits.dtype), logits)
+
+
+def beam_search(
+    drafter: Drafter,
+    embed: Callable[[mx.array], mx.array],
+    hidden: mx.array,
+    g0: mx.array,
+    width: int,
+    length: int,
+    top_k: int | None = None,
+    return_log_q: bool = False,
+) -> Beams:
+    """Draft ``width`` beams of ``length`` tokens (g0 included) from the LLM state ``hidden``.
+
+    Args:
+        drafter: the recurrent drafter.
+        embed: the LLM's token embedding lookup (shared with the drafter).
+        hidden: [H], the LLM's final hidden state at the position that produced g0.
+        g0: [] int, the guaranteed token.
+        top_k: optional top-k warp of the drafter logits before the log-softmax (Apple: 50).
+    """
+    if width < 1 or length < 2:
+        raise ValueError(f"beam search needs width >= 1 and length >= 2, got {width}, {length}")
+    H = hidden.shape[-1]
+    dtype = drafter.dtype
+    hidden = mx.broadcast_to(hidden.reshape(1, H).astype(dtype), (width, H))
+    tokens = mx.broadcast_to(g0.reshape(1, 1).astype(mx.int32), (width, 1))
+    state = mx.zeros((width, H), dtype=dtype)
+    scores = mx.array([0.0] + [-mx.inf] * (width - 1), dtype=mx.float32)
+    log_q = None
+    for _ in range(length - 1):
+        state = drafter.step(state, embed(tokens[:, -1]))
+        logits = drafter.logits(hidden, state).astype(mx.float32)  # [W, V_d]
+        if top_k is not None:
+            logits = top_k_warp(logits, top_k)
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        V = logp.shape[-1]
+        joint = (scores[:, None] + logp).reshape(-1)  # [W * V_d]
+        if width < joint.size:
+            best = mx.argpartition(-joint, kth=width - 1)[:width]
+        else:
+            best = mx.arange(joint.size)
+        best = best[mx.argsort(-joint[best])]  # best first; deterministic
+        parent, token = best // V, best % V
+        scores = joint[best]
+        tokens = mx.concatenate(
+            [tokens[parent], drafter.token_ids(token).astype(mx.int32)[:, None]], axis=1
+        )
+        state = state[parent]
+        if return_log_q:
+            step_q = logp[parent][:, None]
+            log_q = step_q if log_q is None else mx.concatenate([log_q[parent], step_q], axis=1)
+    return Beams(tokens=tokens, scores=scores, log_q=log_q)
+
+
+def make_proposer(
+    drafter: Drafter,
+    embed: Callable[[mx.array], mx.array],
+    width: int,
+    length: int,
+    top_k: int | None = None,
+) -> Proposer:
+    """A proposer that runs :func:`beam_search` with fixed beam shape."""
+
+    def propose(hidden: mx.array, g0: mx.array) -> mx.array:
+        return beam_search(drafter, embed, hidden, g0, width, length, top_k=top_k).tokens
+
+    return propose

@@ -1,0 +1,271 @@
+"""The generation loop: draft, pack, verify, accept, commit; and the autoregressive baseline.
+
+One ReDrafter step, with the device arrays kept lazy throughout::
+
+    beams  = propose(h, g0)                     # drafter beam search   [W, L]
+    tree   = pack_beams(beams)                  # host, NumPy            n tokens
+    hidden = llm(tree, mask, positions)         # one LLM forward       [n, H]
+    acc    = accept(beams, targets(hidden))     # longest accepted path
+    h, g0  = hidden[acc.last], target[acc.last] # state for the next step
+    beams' = propose(h, g0)                     # next draft, still lazy
+    sync: acc.tokens, acc.count, beams'         # the step's only host synchronisation
+
+The next draft is built before the sync, so each step costs one round trip to the device;
+``profile=True`` adds a sync after each phase to time them (and so runs slower).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+
+from .beam_search import Proposer, make_proposer
+from .drafter import Drafter
+from .kv_cache import TreeKVCache
+from .llm import TreeLLM
+from .loading import check_compatible
+from .tree_attention import pack_beams
+from .verification import SamplingParams, accept, node_targets
+
+
+@dataclass
+class StepStats:
+    """One verification step (the first token, from the prompt, is step 0 with no tree)."""
+
+    emitted: int  # tokens this step yielded (after stop-token and max_tokens cuts)
+    accepted: int  # drafted tokens the LLM accepted (emitted = accepted + 1 when uncut)
+    tree_size: int  # packed tokens verified
+    time: float  # seconds, wall clock
+    draft_time: float | None = None  # seconds; measured only with profile=True
+    verify_time: float | None = None
+    accept_time: float | None = None
+
+
+@dataclass
+class GenerationSummary:
+    prompt_tokens: int = 0
+    prompt_time: float = 0.0  # seconds to the first generated token
+    generation_tokens: int = 0
+    generation_time: float = 0.0  # seconds from the first generated token to the last
+    steps: int = 0  # verification steps (AR: one per token after the first)
+    peak_memory_gb: float = 0.0
+    finish_reason: str | None = None  # "stop" or "length" once finished
+    accepted_by_depth: list[int] = field(default_factory=list)  # steps accepting >= d drafts
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_time if self.prompt_time > 0 else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        """Tokens after the first, per second after the first (mlx-lm counts all N over that)."""
+        n = self.generation_tokens - 1
+        return n / self.generation_time if self.generation_time > 0 and n > 0 else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens per LLM forward after the prompt (1.0 for autoregressive decoding)."""
+        return (self.generation_tokens - 1) / self.steps if self.steps else 0.0
+
+
+@dataclass
+class StepOutput:
+    tokens: list[int]
+    stats: StepStats
+    summary: GenerationSummary  # running totals, final once finish_reason is set
+
+
+def _as_prompt(prompt: Sequence[int] | mx.array) -> list[int]:
+    ids = prompt.tolist() if isinstance(prompt, mx.array) else [int(t) for t in prompt]
+    if not ids:
+        raise ValueError("the prompt is empty; give at least one token")
+    return ids
+
+
+class _Emitter:
+    """Applies stop tokens and max_tokens to the stream of accepted tokens."""
+
+    def __init__(self, summary: GenerationSummary, max_tokens: int, stop_tokens: Iterable[int]):
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.summary, self.max_tokens = summary, max_tokens
+        self.stop = frozenset(int(t) for t in stop_tokens)
+
+    def cut(self, tokens: list[int]) -> list[int]:
+        out = []
+        for t in tokens:
+            if t in self.stop:
+                self.summary.finish_reason = "stop"
+                break
+            out.append(t)
+            if self.summary.generation_tokens + len(out) >= self.max_tokens:
+                self.summary.finish_reason = "length"
+                break
+        self.summary.generation_tokens += len(out)
+        return out
+
+
+def prefill(
+    llm: TreeLLM, cache: list[TreeKVCache], prompt: list[int], step_size: int = 2048
+) -> mx.array:
+    """Feed the prompt in chunks; return the last position's hidden state [H]."""
+    start = cache[0].length
+    for s in range(0, len(prompt), step_size):
+        chunk = mx.array(prompt[s : s + step_size], dtype=mx.int32)
+        hidden = llm.hidden_states(chunk, cache, positions=start + s)
+        if s + step_size < len(prompt):
+            mx.eval([c.state for c in cache])
+    return hidden[-1]
+
+
+def stream_redrafter(
+    llm: TreeLLM,
+    propose: Proposer,
+    prompt: Sequence[int] | mx.array,
+    *,
+    max_tokens: int = 256,
+    sampling: SamplingParams | None = None,
+    stop_tokens: Iterable[int] = (),
+    cache: list[TreeKVCache] | None = None,
+    profile: bool = False,
+    prefill_step_size: int = 2048,
+) -> Iterator[StepOutput]:
+    """Generate with ReDrafter, yielding the tokens of each step as soon as they are accepted.
+
+    Greedy output equals autoregressive greedy decoding; with ``sampling.temp > 0`` the output
+    follows the LLM's (processed) distribution exactly (see :mod:`redrafter_mlx.verification`).
+    Stop tokens end generation and are not yielded; ``max_tokens`` counts yielded tokens.
+    After each step the cache holds exactly the prompt and the tokens yielded so far except
+    the newest (which is fed to the LLM as the next tree's root).
+    """
+    sampling = sampling or SamplingParams()
+    prompt_ids = _as_prompt(prompt)
+    summary = GenerationSummary(prompt_tokens=len(prompt_ids))
+    emitter = _Emitter(summary, max_tokens, stop_tokens)
+    cache = cache if cache is not None else llm.make_cache()
+    mx.reset_peak_memory()
+
+    tic = time.perf_counter()
+    hidden = prefill(llm, cache, prompt_ids, prefill_step_size)
+    g0 = node_targets(llm.logits(hidden[None]), sampling)[0]
+    beams = propose(hidden, g0)
+    mx.eval(g0, beams)
+    summary.prompt_time = time.perf_counter() - tic
+    first = emitter.cut([int(g0.item())])
+    summary.peak_memory_gb = mx.get_peak_memory() / 1e9
+    yield StepOutput(first, StepStats(len(first), 0, 0, summary.prompt_time), summary)
+    if summary.finish_reason:
+        return
+
+    past = cache[0].length  # absolute position of the root g0
+    gen_start = time.perf_counter()
+    while True:
+        t0 = time.perf_counter()
+        tree = pack_beams(np.array(beams))
+        hidden = llm.hidden_states(
+            mx.array(tree.tokens),
+            cache,
+            positions=mx.array(tree.positions(past)),
+            ancestors=mx.array(tree.ancestor_mask()),
+        )
+        targets = node_targets(llm.logits(hidden), sampling)
+        if profile:
+            mx.eval(targets)
+        t1 = time.perf_counter()
+        acc = accept(beams, mx.array(tree.unpacker), targets)
+        if profile:
+            mx.eval(acc.tokens, acc.count, acc.beam)
+        t2 = time.perf_counter()
+        beams = propose(hidden[acc.last], targets[acc.last])
+        mx.eval(acc.tokens, acc.count, acc.beam, beams)
+        t3 = time.perf_counter()
+
+        count, beam = int(acc.count.item()), int(acc.beam.item())
+        tokens = emitter.cut(acc.tokens.tolist()[:count])
+        # Keep the root and the emitted tokens but the newest (fewer than count if cut short).
+        for c in cache:
+            c.commit(None if beam == 0 else acc.path, tree.size, len(tokens))
+        past += len(tokens)
+
+        summary.steps += 1
+        summary.generation_time = time.perf_counter() - gen_start
+        summary.peak_memory_gb = mx.get_peak_memory() / 1e9
+        depth_hist = summary.accepted_by_depth
+        depth_hist.extend([0] * (count - 1 - len(depth_hist)))
+        for d in range(count - 1):
+            depth_hist[d] += 1
+        stats = StepStats(
+            emitted=len(tokens),
+            accepted=count - 1,
+            tree_size=tree.size,
+            time=t3 - t0,
+            draft_time=(t3 - t2) if profile else None,
+            verify_time=(t1 - t0) if profile else None,
+            accept_time=(t2 - t1) if profile else None,
+        )
+        yield StepOutput(tokens, stats, summary)
+        if summary.finish_reason:
+            return
+
+
+def stream_autoregressive(
+    model: nn.Module,
+    prompt: Sequence[int] | mx.array,
+    *,
+    max_tokens: int = 256,
+    sampling: SamplingParams | None = None,
+    stop_tokens: Iterable[int] = (),
+) -> Iterator[StepOutput]:
+    """The baseline: mlx-lm's own ``generate_step``, with the same stop/length rules."""
+    sampling = sampling or SamplingParams()
+    prompt_ids = _as_prompt(prompt)
+    summary = GenerationSummary(prompt_tokens=len(prompt_ids))
+    emitter = _Emitter(summary, max_tokens, stop_tokens)
+    sampler = make_sampler(
+        temp=sampling.temp,
+        top_p=sampling.top_p,
+        min_p=sampling.min_p,
+        min_tokens_to_keep=sampling.min_tokens_to_keep,
+        top_k=sampling.top_k,
+    )
+    mx.reset_peak_memory()
+    tic = last = time.perf_counter()
+    gen_start = None
+    steps = generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens, sampler=sampler)
+    for token, _ in steps:
+        now = time.perf_counter()
+        tokens = emitter.cut([int(token)])
+        if gen_start is None:
+            summary.prompt_time, gen_start = now - tic, now
+        else:
+            summary.steps += 1
+            summary.generation_time = now - gen_start
+        summary.peak_memory_gb = mx.get_peak_memory() / 1e9
+        yield StepOutput(tokens, StepStats(len(tokens), 0, 1, now - last), summary)
+        last = now
+        if summary.finish_reason:
+            return
+
+
+def stream_generate(
+    model: nn.Module,
+    drafter: Drafter,
+    prompt: Sequence[int] | mx.array,
+    *,
+    beam_width: int = 4,
+    beam_length: int = 5,
+    draft_top_k: int | None = None,
+    **kwargs,
+) -> Iterator[StepOutput]:
+    """ReDrafter generation from an mlx-lm model and a drafter (see :func:`stream_redrafter`)."""
+    check_compatible(drafter, model)
+    llm = TreeLLM(model)
+    propose = make_proposer(drafter, llm.embed, beam_width, beam_length, top_k=draft_top_k)
+    return stream_redrafter(llm, propose, prompt, **kwargs)

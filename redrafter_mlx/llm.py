@@ -1,0 +1,92 @@
+"""An mlx-lm model that can verify a token tree in one forward pass.
+
+Two small interventions, no forked model files:
+
+- every layer gets a :class:`~redrafter_mlx.kv_cache.TreeKVCache`, whose ``make_mask`` returns
+  the tree's ``[past | tree]`` boolean mask during a tree forward;
+- every attention's ``rope`` is wrapped by :class:`TreeRoPE`, which applies the original rope
+  at per-token positions (``past + depth``) by moving the tokens onto the batch axis, so
+  ``mx.fast.rope`` gets one offset per token. Outside our forwards the wrapper passes through.
+
+The forward returns the hidden states after the final norm; the drafter needs them and the
+logits are one ``lm_head`` away.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .adapters import FamilyAdapter, adapter_for
+from .kv_cache import WINDOW_SLACK, TreeContext, TreeKVCache
+
+
+class TreeRoPE(nn.Module):
+    """Apply the wrapped rope at the positions of the forward pass in progress."""
+
+    def __init__(self, rope: nn.Module, context: TreeContext):
+        super().__init__()
+        self.rope = rope
+        self._context = context  # underscored: not a child module or parameter
+
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        positions = self._context.positions
+        if positions is None:
+            return self.rope(x, offset=offset)
+        if isinstance(positions, int):
+            return self.rope(x, offset=positions)
+        # x: [1, heads, n, D] -> [n, heads, 1, D]: one rope offset per token.
+        return self.rope(x.swapaxes(0, 2), offset=positions).swapaxes(0, 2)
+
+
+class TreeLLM:
+    """Wraps an mlx-lm model (patched in place, behaviour unchanged outside tree forwards)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.adapter: FamilyAdapter = adapter_for(model)
+        existing = getattr(model, "_redrafter_context", None)
+        if existing is not None:  # already patched by another TreeLLM: share its context
+            self.context = existing
+        else:
+            self.context = TreeContext()
+            for attn in self.adapter.attention_modules(model):
+                attn.rope = TreeRoPE(attn.rope, self.context)
+            model._redrafter_context = self.context
+        self.windows = self.adapter.layer_windows(model)
+        self.embed_tokens = self.adapter.embed_tokens(model)
+
+    def make_cache(self, window_slack: int = WINDOW_SLACK) -> list[TreeKVCache]:
+        return [TreeKVCache(self.context, window=w, slack=window_slack) for w in self.windows]
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """The LLM's input embedding lookup (what the drafter shares)."""
+        return self.embed_tokens(tokens)
+
+    def hidden_states(
+        self,
+        tokens: mx.array,
+        cache: list[TreeKVCache],
+        positions: int | mx.array,
+        ancestors: mx.array | None = None,
+    ) -> mx.array:
+        """Run the model over new tokens and return their final hidden states.
+
+        tokens: [N] ids. positions: the absolute position of tokens[0] for a causal chain, or
+        [N] per-token positions for a tree whose [N, N] ``ancestors`` mask is given.
+        Returns [N, H].
+        """
+        ctx = self.context
+        ctx.positions, ctx.ancestors = positions, ancestors
+        try:
+            h = self.adapter.hidden_states(self.model, tokens[None], cache)
+        finally:
+            ctx.positions = ctx.ancestors = None
+        if ancestors is None:
+            for c in cache:
+                c.drop_outside_window()
+        return h[0]
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """[..., H] -> [..., V] logits in the model's dtype (as mlx-lm's sampler sees them)."""
+        return self.adapter.lm_head(self.model, hidden)

@@ -1,0 +1,54 @@
+"""Load an mlx-lm model and a drafter, and check they belong together."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.nn as nn
+
+from .adapters import adapter_for
+from .drafter import Drafter
+
+
+def model_dims(model: nn.Module) -> tuple[int, int]:
+    """(hidden_size, vocab_size) of an mlx-lm model, read from its embedding table."""
+    embed = adapter_for(model).embed_tokens(model)
+    vocab, hidden = embed.weight.shape
+    if hasattr(embed, "bits"):  # QuantizedEmbedding packs weights: use its dims
+        hidden = embed.dims
+        vocab = embed.num_embeddings
+    return int(hidden), int(vocab)
+
+
+def check_compatible(drafter: Drafter, model: nn.Module, where: str = "drafter") -> None:
+    """Raise a clear error if the drafter was not made for this LLM's hidden size and vocab."""
+    hidden, vocab = model_dims(model)
+    cfg = drafter.config
+    if cfg.hidden_size != hidden:
+        raise ValueError(
+            f"{where}: hidden_size {cfg.hidden_size} does not match the LLM's {hidden}; "
+            "a drafter only works with the LLM it was trained for"
+        )
+    if cfg.vocab_size != vocab:
+        raise ValueError(
+            f"{where}: vocab_size {cfg.vocab_size} does not match the LLM's {vocab}; "
+            "a drafter only works with the LLM it was trained for"
+        )
+
+
+def load(model_path: str | Path, drafter_path: str | Path | None = None):
+    """Load ``(model, tokenizer, drafter)``; drafter is None when no path is given."""
+    from mlx_lm import load as mlx_lm_load
+
+    path = Path(model_path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path}: no such model folder (convert one with `redrafter convert llm`)"
+        )
+    model, tokenizer = mlx_lm_load(str(path))
+    adapter_for(model)  # fail early, with the list of supported families
+    drafter = None
+    if drafter_path is not None:
+        drafter = Drafter.from_pretrained(drafter_path)
+        check_compatible(drafter, model, where=str(drafter_path))
+    return model, tokenizer, drafter

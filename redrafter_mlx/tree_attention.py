@@ -1,0 +1,91 @@
+"""Dynamic tree attention: pack beams that share prefixes into one prefix tree.
+
+The W beams of a draft often share their first tokens. Each (beam, depth) token is *owned* by
+the lowest-index beam with the same prefix; owned tokens are packed, beam by beam and depth by
+depth, into one sequence of ``n <= 1 + W * (L - 1)`` tokens that the LLM verifies in a single
+forward pass. A packed token attends to the cached past and to its own ancestors only, at
+position ``past + depth``; the *unpacker* maps every (beam, depth) back to its packed index.
+
+Example: beams ``[[91,92,93,95],[91,92,94,96],[91,92,93,97]]`` pack to
+``[91,92,93,95,94,96,97]`` with depths ``[0,1,2,3,2,3,3]`` and unpacker
+``[[0,1,2,3],[0,1,4,5],[0,1,2,6]]``.
+
+Packing happens on the host with NumPy: the beams are tiny (W * L <= a few dozen ids), and the
+tree's size decides the shape of the verification forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PackedTree:
+    tokens: np.ndarray  # [n] int32, packed token ids; tokens[0] is the shared root g0
+    depths: np.ndarray  # [n] int32, depth of each packed token (root: 0)
+    parents: np.ndarray  # [n] int32, packed index of each token's parent (root: -1)
+    unpacker: np.ndarray  # [W, L] int32, packed index of every (beam, depth)
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def ancestor_mask(self) -> np.ndarray:
+        """[n, n] bool: entry (i, j) is True when packed token j is i itself or an ancestor."""
+        n = self.size
+        mask = np.zeros((n, n), dtype=bool)
+        for i in range(n):  # parents precede children in the packed order
+            p = self.parents[i]
+            if p >= 0:
+                mask[i] = mask[p]
+            mask[i, i] = True
+        return mask
+
+    def attention_mask(self, past: int) -> np.ndarray:
+        """[n, past + n] bool: every packed token sees the whole cached past and its ancestors."""
+        return np.concatenate([np.ones((self.size, past), dtype=bool), self.ancestor_mask()], 1)
+
+    def positions(self, past: int) -> np.ndarray:
+        """[n] int32 absolute positions: ``past + depth``."""
+        return (past + self.depths).astype(np.int32)
+
+
+def pack_beams(beams: np.ndarray) -> PackedTree:
+    """Deduplicate shared prefixes of ``beams`` [W, L] (all beams start with the same root)."""
+    beams = np.asarray(beams)
+    if beams.ndim != 2 or beams.shape[1] < 1:
+        raise ValueError(f"beams must have shape [W, L] with L >= 1, got {beams.shape}")
+    if not np.all(beams[:, 0] == beams[0, 0]):
+        raise ValueError("all beams must start with the same guaranteed token")
+    W, L = beams.shape
+    index: dict[tuple[int, ...], int] = {}
+    tokens: list[int] = []
+    depths: list[int] = []
+    parents: list[int] = []
+    unpacker = np.empty((W, L), dtype=np.int32)
+    rows = beams.tolist()
+    for b, row in enumerate(rows):
+        parent = -1
+        for d in range(L):
+            key = tuple(row[: d + 1])
+            i = index.get(key)
+            if i is None:
+                i = index[key] = len(tokens)
+                tokens.append(row[d])
+                depths.append(d)
+                parents.append(parent)
+            unpacker[b, d] = i
+            parent = i
+    return PackedTree(
+        tokens=np.asarray(tokens, dtype=np.int32),
+        depths=np.asarray(depths, dtype=np.int32),
+        parents=np.asarray(parents, dtype=np.int32),
+        unpacker=unpacker,
+    )
+
+
+def unpack(tree: PackedTree, packed: np.ndarray) -> np.ndarray:
+    """Scatter per-packed-token values [n, ...] back to (beam, depth): [W, L, ...]."""
+    return np.asarray(packed)[tree.unpacker]

@@ -1,0 +1,111 @@
+"""Lossless verification of a drafted tree against the LLM's own choices.
+
+Every packed tree node gets one *target* token from the LLM's distribution at that node:
+
+- greedy: the argmax of the LLM's logits;
+- sampling: one independent draw from the LLM's processed distribution (temperature, top-p,
+  min-p, top-k applied exactly as mlx-lm's sampler applies them).
+
+A drafted token is accepted when it equals its parent's target. The accepted path is the
+longest run of accepted tokens down any beam; the step emits the accepted drafted tokens and
+then the target of the last accepted node (so every step yields ``accepted + 1`` tokens).
+
+Why this is exact. Walk down the tree from the root: at node u draw x ~ P(. | u); if a child of
+u carries x, move into it, else emit x and stop. Each emitted token is a draw from the LLM's
+distribution given everything emitted before it, i.e. exactly autoregressive sampling. Drawing
+a target at *every* node up front changes nothing: the draws are independent, and the walk only
+ever reads the draws of the nodes it visits, each once. Children of a node carry distinct
+tokens (packing merged equal prefixes), so "the child whose token is x" is unique, and it lies
+on the longest accepted run. Greedy is the same walk with argmax in place of the draw, so it
+reproduces greedy decoding token for token. Unlike the accept-if-U<P/Q rule of Apple's code,
+nothing here depends on the draft distribution Q: drafts are deterministic beams, and a
+deterministic proposal needs no correction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """mlx-lm's sampler settings; ``temp == 0`` means greedy."""
+
+    temp: float = 0.0
+    top_p: float = 0.0
+    min_p: float = 0.0
+    min_tokens_to_keep: int = 1
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temp < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temp}")
+        if not 0 <= self.top_p <= 1:
+            raise ValueError(f"top_p must lie in [0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must lie in [0, 1], got {self.min_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp == 0
+
+
+def sampling_logits(logits: mx.array, params: SamplingParams) -> mx.array:
+    """The logits mlx-lm's ``make_sampler`` samples from, for rows of raw logits [..., V].
+
+    mlx-lm normalises to log-probabilities, applies top-p, then min-p, then top-k (each masks
+    tokens to -inf), and draws ``categorical(logprobs / temp)``.
+    """
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if 0 < params.top_p < 1.0:
+        logprobs = apply_top_p(logprobs, params.top_p)
+    if params.min_p != 0.0:
+        logprobs = apply_min_p(logprobs, params.min_p, params.min_tokens_to_keep)
+    if params.top_k > 0:
+        logprobs = apply_top_k(logprobs, params.top_k)
+    return logprobs * (1.0 / params.temp)
+
+
+def node_targets(logits: mx.array, params: SamplingParams) -> mx.array:
+    """One target token per tree node. logits: [n, V] -> [n] int32."""
+    if params.greedy:  # argmax of the log-probabilities, as mlx-lm's greedy sampler takes it
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return mx.argmax(logprobs, axis=-1).astype(mx.int32)
+    return mx.random.categorical(sampling_logits(logits, params), axis=-1).astype(mx.int32)
+
+
+@dataclass
+class Acceptance:
+    """Device arrays describing one step's outcome (nothing here forces a sync)."""
+
+    beam: mx.array  # [] int32, the beam holding the accepted path (lowest index on ties)
+    count: mx.array  # [] int32, tokens emitted this step: accepted drafts + 1
+    tokens: mx.array  # [L] int32, emitted tokens in order; entries past count are padding
+    path: mx.array  # [L] int32, packed indices of the accepted beam, root first
+    last: mx.array  # [] int32, packed index of the last accepted node
+
+
+def accept(beams: mx.array, unpacker: mx.array, targets: mx.array) -> Acceptance:
+    """Longest accepted prefix over all beams.
+
+    beams: [W, L] drafted beams (column 0 is the root); unpacker: [W, L] packed index of each
+    (beam, depth); targets: [n] the LLM's target at each packed node.
+    """
+    W, L = beams.shape
+    parent_targets = targets[unpacker[:, :-1]]  # [W, L-1]: the LLM's choice after each prefix
+    match = (beams[:, 1:] == parent_targets).astype(mx.int32)
+    accepted = mx.cumprod(match, axis=1).sum(axis=1)  # [W] accepted drafted tokens per beam
+    beam = mx.argmax(accepted).astype(mx.int32)  # first maximum: lowest beam index
+    n_acc = accepted[beam]
+    path = unpacker[beam]
+    last = path[n_acc]
+    drafted = mx.concatenate([beams[beam, 1:], mx.zeros((1,), mx.int32)])
+    tokens = mx.where(mx.arange(L) == n_acc, targets[last], drafted)
+    return Acceptance(
+        beam=beam, count=(n_acc + 1).astype(mx.int32), tokens=tokens, path=path, last=last
+    )

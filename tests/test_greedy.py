@@ -1,0 +1,201 @@
+"""Greedy ReDrafter output equals mlx-lm's greedy decoding, token for token."""
+
+import functools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny_models import tiny_drafter, tiny_llm
+
+from redrafter_mlx.beam_search import make_proposer
+from redrafter_mlx.generate import stream_autoregressive, stream_redrafter
+from redrafter_mlx.llm import TreeLLM
+from redrafter_mlx.oracle import OracleProposer
+
+VOCAB = 64
+FAMILIES = ("llama", "qwen2", "gemma3_text", "llama_swa")
+N_CASES = 216
+
+
+@functools.cache
+def model_for(family: str, seed: int):
+    model = tiny_llm(family, vocab_size=VOCAB, seed=seed, window=6)
+    return model, TreeLLM(model)
+
+
+@functools.cache
+def reference(family: str, seed: int, prompt: tuple, max_tokens: int) -> list[int]:
+    model, _ = model_for(family, seed)
+    return [
+        t
+        for out in stream_autoregressive(model, list(prompt), max_tokens=max_tokens)
+        for t in out.tokens
+    ]
+
+
+def make_case(i: int) -> dict:
+    rng = np.random.default_rng(1234 + i)
+    return dict(
+        family=FAMILIES[i % len(FAMILIES)],
+        seed=int(rng.integers(0, 2)),
+        W=int(rng.integers(1, 9)),
+        L=int(rng.integers(2, 7)),
+        prompt=tuple(int(t) for t in rng.integers(0, VOCAB, size=int(rng.integers(1, 20)))),
+        max_tokens=int(rng.integers(8, 41)),
+        drafter="oracle" if rng.random() < 0.4 else "random",
+        draft_top_k=[None, 5][int(rng.integers(0, 2))],
+        draft_vocab=bool(rng.random() < 0.3),
+        slack=int(rng.integers(0, 4)),  # tiny window slack: the window caches drop often
+    )
+
+
+def run(case: dict) -> tuple[list[int], list[int], list]:
+    model, llm = model_for(case["family"], case["seed"])
+    ref = reference(case["family"], case["seed"], case["prompt"], case["max_tokens"])
+    W, L = case["W"], case["L"]
+    if case["drafter"] == "oracle":
+        propose = OracleProposer(llm, case["prompt"], ref, W, L, VOCAB)
+    else:
+        vocab = sorted(set(range(0, VOCAB, 3))) if case["draft_vocab"] else None
+        drafter = tiny_drafter(32, VOCAB, seed=hash(case["prompt"]) % 100, draft_vocab=vocab)
+        propose = make_proposer(drafter, llm.embed, W, L, top_k=case["draft_top_k"])
+    outs = list(
+        stream_redrafter(
+            llm,
+            propose,
+            list(case["prompt"]),
+            max_tokens=case["max_tokens"],
+            cache=llm.make_cache(window_slack=case["slack"]),
+        )
+    )
+    got = [t for out in outs for t in out.tokens]
+    return got, ref, outs
+
+
+@pytest.mark.parametrize("i", range(N_CASES))
+def test_greedy_equals_mlx_lm(i):
+    case = make_case(i)
+    got, ref, outs = run(case)
+    assert got == ref, case
+    summary = outs[-1].summary
+    assert summary.finish_reason == "length" and summary.generation_tokens == case["max_tokens"]
+    for out in outs[1:]:
+        assert 1 <= out.stats.emitted <= case["L"]
+        assert out.stats.tree_size <= 1 + case["W"] * (case["L"] - 1)
+    if case["drafter"] == "oracle":
+        # Long accepted runs: the oracle's beam 0 is always right, so every step emits L tokens.
+        assert summary.steps == -(-(case["max_tokens"] - 1) // case["L"]), summary
+
+
+def test_cases_cover_the_space():
+    cases = [make_case(i) for i in range(N_CASES)]
+    assert {c["W"] for c in cases} == set(range(1, 9))
+    assert {c["L"] for c in cases} == set(range(2, 7))
+    assert {c["drafter"] for c in cases} == {"oracle", "random"}
+    assert {c["family"] for c in cases} == set(FAMILIES)
+
+
+def test_random_drafters_accept_sometimes():
+    """Random drafters on a 64-token vocab still hit now and then: the accept path runs."""
+    accepted = 0
+    for i in range(N_CASES):
+        case = make_case(i)
+        if case["drafter"] == "random" and case["W"] >= 4:
+            _, _, outs = run(case)
+            accepted += sum(o.stats.accepted for o in outs)
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stop_token_inside_accepted_run(family):
+    model, llm = model_for(family, 0)
+    prompt = [3, 1, 4, 1, 5]
+    ref = reference(family, 0, tuple(prompt), 40)
+    # A stop token first produced mid-way: with oracle drafts it sits inside an accepted run.
+    k = next(k for k in range(5, 40) if ref[k] not in ref[:k])
+    stop = ref[k]
+    propose = OracleProposer(llm, prompt, ref, 3, 6, VOCAB)
+    outs = list(stream_redrafter(llm, propose, prompt, max_tokens=40, stop_tokens=[stop]))
+    got = [t for o in outs for t in o.tokens]
+    assert got == ref[:k]
+    assert outs[-1].summary.finish_reason == "stop"
+    assert any(o.stats.accepted > o.stats.emitted - 1 for o in outs), "stop was not mid-run"
+    ar = list(stream_autoregressive(model, prompt, max_tokens=40, stop_tokens=[stop]))
+    assert [t for o in ar for t in o.tokens] == ref[:k]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 7, 13])
+def test_max_tokens_is_exact(max_tokens):
+    model, llm = model_for("qwen2", 1)
+    prompt = [9, 8, 7]
+    ref = reference("qwen2", 1, tuple(prompt), 20)
+    propose = OracleProposer(llm, prompt, ref, 2, 5, VOCAB)
+    outs = list(stream_redrafter(llm, propose, prompt, max_tokens=max_tokens))
+    assert [t for o in outs for t in o.tokens] == ref[:max_tokens]
+    assert outs[-1].summary.generation_tokens == max_tokens
+    assert outs[-1].summary.finish_reason == "length"
+
+
+def test_stop_token_first():
+    model, llm = model_for("llama", 0)
+    prompt = [5, 6]
+    ref = reference("llama", 0, tuple(prompt), 4)
+    outs = list(
+        stream_redrafter(
+            llm, OracleProposer(llm, prompt, ref, 2, 3, VOCAB), prompt, stop_tokens=[ref[0]]
+        )
+    )
+    assert [t for o in outs for t in o.tokens] == []
+    assert outs[-1].summary.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cache_holds_exactly_the_accepted_path(family):
+    """After every step: offset == prompt + generated - 1 and the entries equal a fresh prefill."""
+    model, llm = model_for(family, 0)
+    prompt = list(range(10, 19))
+    ref = reference(family, 0, tuple(prompt), 30)
+    drafter = tiny_drafter(32, VOCAB, seed=3)
+    propose = make_proposer(drafter, llm.embed, 4, 4)
+    oracle = OracleProposer(llm, prompt, ref, 4, 4, VOCAB)
+    for name, prop in [("random", propose), ("oracle", oracle)]:
+        cache = llm.make_cache(window_slack=1)
+        generated: list[int] = []
+        for out in stream_redrafter(llm, prop, prompt, max_tokens=30, cache=cache):
+            generated += out.tokens
+            seen = prompt + generated[:-1]
+            for c in cache:
+                assert c.length == len(seen), name
+            fresh = llm.make_cache(window_slack=10**6)
+            llm.hidden_states(mx.array(seen), fresh, positions=0)
+            for c, f in zip(cache, fresh, strict=True):
+                k, _ = c.keys_and_values() if c.offset else (None, None)
+                fk, _ = f.keys_and_values()
+                fk = fk[..., c.start :, :]  # the window cache keeps only recent entries
+                np.testing.assert_allclose(np.array(k), np.array(fk), rtol=1e-4, atol=1e-4)
+        assert generated == ref
+
+
+def test_long_prompt_chunked_prefill_crosses_window():
+    model, llm = model_for("gemma3_text", 1)
+    prompt = list(np.random.default_rng(5).integers(0, VOCAB, size=45))  # window is 6
+    ref = reference("gemma3_text", 1, tuple(int(t) for t in prompt), 24)
+    drafter = tiny_drafter(32, VOCAB, seed=9)
+    outs = stream_redrafter(
+        llm,
+        make_proposer(drafter, llm.embed, 3, 4),
+        prompt,
+        max_tokens=24,
+        cache=llm.make_cache(window_slack=2),
+        prefill_step_size=7,
+    )
+    assert [t for o in outs for t in o.tokens] == ref
+
+
+def test_bad_arguments():
+    _, llm = model_for("llama", 0)
+    propose = make_proposer(tiny_drafter(32, VOCAB), llm.embed, 2, 3)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        next(stream_redrafter(llm, propose, []))
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        next(stream_redrafter(llm, propose, [1], max_tokens=0))

@@ -1,0 +1,133 @@
+"""Sampling preserves the LLM's distribution exactly: chi-square against the enumerated law."""
+
+import itertools
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+from tiny_models import tiny_drafter, tiny_llm
+
+from redrafter_mlx.beam_search import make_proposer
+from redrafter_mlx.generate import stream_autoregressive, stream_redrafter
+from redrafter_mlx.llm import TreeLLM
+from redrafter_mlx.verification import SamplingParams, sampling_logits
+
+V = 5
+PROMPT = [1, 3, 2]
+N_TOKENS = 3
+RUNS = 2500
+SEEDS = range(10_000, 10_000 + RUNS)  # a fixed seed set: the test is deterministic
+
+
+def np_processed_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """mlx-lm's sampling law, in NumPy: top-p, min-p, top-k on log-probs, then temperature."""
+    logits = logits.astype(np.float64)
+    logprobs = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+    keep = np.ones_like(logprobs, dtype=bool)
+    probs = np.exp(logprobs)
+    if 0 < p.top_p < 1:
+        order = np.argsort(probs)  # ascending
+        mass_above = np.cumsum(probs[order][::-1])[::-1] - probs[order]
+        keep[order[mass_above >= p.top_p]] = False
+    if p.min_p:
+        keep &= logprobs >= logprobs.max() + np.log(p.min_p)
+    if p.top_k:
+        keep[np.argsort(-logprobs)[p.top_k :]] = False
+    z = np.where(keep, logprobs / p.temp, -np.inf)
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def exact_law(model, params: SamplingParams) -> dict[tuple, float]:
+    law = {}
+    for seq in itertools.product(range(V), repeat=N_TOKENS):
+        prob = 1.0
+        for k in range(N_TOKENS):
+            logits = np.array(model(mx.array(PROMPT + list(seq[:k]))[None])[0, -1])
+            prob *= np_processed_probs(logits, params)[seq[k]]
+            if prob == 0:
+                break
+        law[seq] = prob
+    return law
+
+
+def chi_square_p(counts: Counter, law: dict[tuple, float], runs: int) -> float:
+    """Pool the rare outcomes (expected < 5) into one bin, then a chi-square goodness of fit."""
+    assert not set(counts) - {s for s, p in law.items() if p > 0}, "impossible sequence drawn"
+    obs, exp = [], []
+    pool_o = pool_e = 0.0
+    for seq, p in law.items():
+        if p * runs >= 5:
+            obs.append(counts.get(seq, 0))
+            exp.append(p * runs)
+        else:
+            pool_o += counts.get(seq, 0)
+            pool_e += p * runs
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    exp = np.array(exp) * (runs / np.sum(exp))
+    assert len(obs) >= 10, "too few bins for a meaningful test"
+    return float(chisquare(obs, exp).pvalue)
+
+
+CONFIGS = {
+    "T=1.0": SamplingParams(temp=1.0),
+    "T=0.7,top_p=0.8": SamplingParams(temp=0.7, top_p=0.8),
+}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_llm("llama", vocab_size=V, seed=3, scale=1.0)
+    llm = TreeLLM(model)
+    propose = make_proposer(tiny_drafter(32, V, seed=4), llm.embed, 3, 3)
+    return model, llm, propose
+
+
+def test_processed_probs_match_mlx_lm_filters():
+    """The NumPy law above is the one mlx-lm's sampler functions produce."""
+    logits = mx.array(np.random.default_rng(0).normal(size=(4, 9)) * 2, dtype=mx.float32)
+    for params in [
+        SamplingParams(temp=0.7, top_p=0.8),
+        SamplingParams(temp=1.3, min_p=0.2),
+        SamplingParams(temp=0.5, top_k=3),
+        SamplingParams(temp=1.0),
+    ]:
+        got = np.array(mx.softmax(sampling_logits(logits, params), axis=-1))
+        want = np.stack([np_processed_probs(np.array(row), params) for row in logits])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_redrafter_sampling_matches_exact_law(setup, name):
+    model, llm, propose = setup
+    params = CONFIGS[name]
+    law = exact_law(model, params)
+    counts: Counter = Counter()
+    accepted = 0
+    for seed in SEEDS:
+        mx.random.seed(seed)
+        outs = list(stream_redrafter(llm, propose, PROMPT, max_tokens=N_TOKENS, sampling=params))
+        counts[tuple(t for o in outs for t in o.tokens)] += 1
+        accepted += sum(o.stats.accepted for o in outs)
+    assert accepted > RUNS // 4, "drafts were rarely accepted: the test would not exercise them"
+    p = chi_square_p(counts, law, RUNS)
+    assert p > 1e-3, f"ReDrafter samples do not follow the LLM's law (p={p:.2e})"
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_mlx_lm_sampling_matches_exact_law(setup, name):
+    """The same check on mlx-lm's own sampler validates the enumerated law itself."""
+    model, _, _ = setup
+    params = CONFIGS[name]
+    law = exact_law(model, params)
+    counts: Counter = Counter()
+    for seed in SEEDS:
+        mx.random.seed(seed)
+        outs = stream_autoregressive(model, PROMPT, max_tokens=N_TOKENS, sampling=params)
+        counts[tuple(t for o in outs for t in o.tokens)] += 1
+    p = chi_square_p(counts, law, RUNS)
+    assert p > 1e-3, f"mlx-lm samples do not follow the enumerated law (p={p:.2e})"
