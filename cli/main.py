@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
+import redrafter_mlx  # noqa: F401  (loads OpenBLAS before mlx on Linux)
+
 import typer
 from rich.console import Console
-
-import redrafter_mlx  # noqa: F401  (loads OpenBLAS before mlx on Linux)
 
 app = typer.Typer(
     help="ReDrafter speculative decoding for LLMs on MLX.",
@@ -60,11 +60,11 @@ def generate(
     verbose: VerboseOpt = False,
 ) -> None:
     """Generate text from a prompt, streaming tokens as they are accepted."""
-    import mlx.core as mx
-
     from redrafter_mlx.generate import stream_autoregressive, stream_generate
     from redrafter_mlx.loading import load
     from redrafter_mlx.verification import SamplingParams
+
+    import mlx.core as mx
 
     try:
         text = sys.stdin.read() if prompt == "-" else prompt

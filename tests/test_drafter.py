@@ -2,14 +2,14 @@
 
 import json
 
+from redrafter_mlx.beam_search import beam_search, top_k_warp
+from redrafter_mlx.drafter import Drafter, DrafterConfig
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from tiny_models import tiny_drafter
-
-from redrafter_mlx.beam_search import beam_search, top_k_warp
-from redrafter_mlx.drafter import Drafter, DrafterConfig
 
 
 def np_params(drafter):

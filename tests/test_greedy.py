@@ -2,15 +2,15 @@
 
 import functools
 
-import mlx.core as mx
-import numpy as np
-import pytest
-from tiny_models import tiny_drafter, tiny_llm
-
 from redrafter_mlx.beam_search import make_proposer
 from redrafter_mlx.generate import stream_autoregressive, stream_redrafter
 from redrafter_mlx.llm import TreeLLM
 from redrafter_mlx.oracle import OracleProposer
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny_models import tiny_drafter, tiny_llm
 
 VOCAB = 64
 FAMILIES = ("llama", "qwen2", "gemma3_text", "llama_swa")

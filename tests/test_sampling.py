@@ -3,16 +3,16 @@
 import itertools
 from collections import Counter
 
+from redrafter_mlx.beam_search import make_proposer
+from redrafter_mlx.generate import stream_autoregressive, stream_redrafter
+from redrafter_mlx.llm import TreeLLM
+from redrafter_mlx.verification import SamplingParams, sampling_logits
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from scipy.stats import chisquare
 from tiny_models import tiny_drafter, tiny_llm
-
-from redrafter_mlx.beam_search import make_proposer
-from redrafter_mlx.generate import stream_autoregressive, stream_redrafter
-from redrafter_mlx.llm import TreeLLM
-from redrafter_mlx.verification import SamplingParams, sampling_logits
 
 V = 5
 PROMPT = [1, 3, 2]

@@ -1,14 +1,14 @@
 """Packing beams into a prefix tree: properties, masks, and exact logits over the tree."""
 
+from redrafter_mlx.llm import TreeLLM
+from redrafter_mlx.tree_attention import pack_beams, unpack
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import FAMILIES, tiny_llm
-
-from redrafter_mlx.llm import TreeLLM
-from redrafter_mlx.tree_attention import pack_beams, unpack
 
 
 @st.composite

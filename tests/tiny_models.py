@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from redrafter_mlx.drafter import Drafter, DrafterConfig
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import gemma3_text, llama, qwen2
-
-from redrafter_mlx.drafter import Drafter, DrafterConfig
 
 FAMILIES = ("llama", "qwen2", "gemma3_text")
 

