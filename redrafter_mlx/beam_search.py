@@ -2,7 +2,7 @@
 
 Semantics follow Apple's ml-recurrent-drafter. ``length`` counts the guaranteed token ``g0``
 (the LLM's own next token), so each beam holds ``length - 1`` drafted tokens. Initial beam
-scores are ``[0, -inf, ...]`` so the first step expands beam 0 only; each step scores every
+scores are ``[0, LOG_0, ...]`` so the first step expands beam 0 only; each step scores every
 (beam, token) pair by beam log-probability plus the drafter's log-softmax, keeps the top
 ``width`` pairs (sorted, best first) and carries the parents' RNN states along.
 
@@ -21,6 +21,11 @@ from .drafter import Drafter
 #: A proposer maps (hidden [H], g0 []) to beams [W, L] whose column 0 is g0.
 Proposer = Callable[[mx.array, mx.array], mx.array]
 
+#: Apple's "log 0": finite, so that when fewer than W candidates are finite (width above the
+#: top-k, or a tiny vocabulary) the extra beams still extend with their best tokens (and
+#: mostly duplicate prefixes, which packing merges) instead of arbitrary -inf ties.
+LOG_0 = -50000.0
+
 
 @dataclass
 class Beams:
@@ -29,12 +34,12 @@ class Beams:
     log_q: mx.array | None = None  # [W, L-1, V_d] per-step draft log-probs (if requested)
 
 
-def top_k_warp(logits: mx.array, k: int) -> mx.array:
-    """Keep the k largest logits of each row, set the rest to -inf. logits: [..., V]."""
+def top_k_warp(logits: mx.array, k: int, mask_value: float = -mx.inf) -> mx.array:
+    """Keep the k largest logits of each row, set the rest to mask_value. logits: [..., V]."""
     if k >= logits.shape[-1]:
         return logits
     kth = mx.sort(mx.topk(logits, k, axis=-1), axis=-1)[..., :1]  # [..., 1], k-th largest
-    return mx.where(logits < kth, mx.array(-mx.inf, logits.dtype), logits)
+    return mx.where(logits < kth, mx.array(mask_value, logits.dtype), logits)
 
 
 def beam_search(
@@ -63,13 +68,13 @@ def beam_search(
     hidden = mx.broadcast_to(hidden.reshape(1, H).astype(dtype), (width, H))
     tokens = mx.broadcast_to(g0.reshape(1, 1).astype(mx.int32), (width, 1))
     state = mx.zeros((width, H), dtype=dtype)
-    scores = mx.array([0.0] + [-mx.inf] * (width - 1), dtype=mx.float32)
+    scores = mx.array([0.0] + [LOG_0] * (width - 1), dtype=mx.float32)
     log_q = None
     for _ in range(length - 1):
         state = drafter.step(state, embed(tokens[:, -1]))
         logits = drafter.logits(hidden, state).astype(mx.float32)  # [W, V_d]
         if top_k is not None:
-            logits = top_k_warp(logits, top_k)
+            logits = top_k_warp(logits, top_k, mask_value=LOG_0)
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         V = logp.shape[-1]
         joint = (scores[:, None] + logp).reshape(-1)  # [W * V_d]

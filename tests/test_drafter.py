@@ -111,7 +111,7 @@ def reference_beam_search(drafter, table, h, g0, W, L, top_k=None):
     cfg = drafter.config
     p = np_params(drafter)
     beams = [([g0], 0.0, np.zeros(cfg.hidden_size))] + [
-        ([g0], -np.inf, np.zeros(cfg.hidden_size)) for _ in range(W - 1)
+        ([g0], -50000.0, np.zeros(cfg.hidden_size)) for _ in range(W - 1)
     ]
     for _ in range(L - 1):
         cands = []
@@ -120,7 +120,7 @@ def reference_beam_search(drafter, table, h, g0, W, L, top_k=None):
             logits = np_logits(p, cfg, h, s2)
             if top_k is not None:
                 kth = np.sort(logits)[-top_k]
-                logits = np.where(logits < kth, -np.inf, logits)
+                logits = np.where(logits < kth, -50000.0, logits)
             logp = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
             for t, lp in enumerate(logp):
                 cands.append((score + lp, bi * len(logp) + t, bi, t, s2))
@@ -129,7 +129,9 @@ def reference_beam_search(drafter, table, h, g0, W, L, top_k=None):
     return np.array([b[0] for b in beams]), np.array([b[1] for b in beams])
 
 
-@pytest.mark.parametrize("W,L,top_k", [(1, 2, None), (3, 4, None), (4, 5, 5), (6, 3, None)])
+@pytest.mark.parametrize(
+    "W,L,top_k", [(1, 2, None), (3, 4, None), (4, 5, 5), (6, 3, None), (8, 4, 3)]
+)
 def test_beam_search_matches_reference(W, L, top_k):
     V, H = 12, 8
     drafter = tiny_drafter(H, V)
