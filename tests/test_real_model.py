@@ -1,13 +1,15 @@
 """The real demo model (Qwen2.5-Coder-0.5B-Instruct, converted from its PyPI-shipped GGUF).
 
-Skipped, with the reason, where the converted model is not on this machine. Point
-``REDRAFTER_DEMO_MODEL`` at a converted folder to use another location.
+The model is assembled and converted on first use when the ``demo`` extra is installed;
+the tests are skipped, with the reason, where it cannot be. ``REDRAFTER_DEMO_MODEL`` points
+at an already converted folder instead.
 """
 
 import os
 from pathlib import Path
 
-import redrafter_mlx.paths
+from redrafter_mlx.conversion.gguf import ConversionError
+from redrafter_mlx.conversion.pypi_models import ensure_demo_model
 from redrafter_mlx.drafter import Drafter, DrafterConfig
 from redrafter_mlx.generate import stream_autoregressive, stream_generate, stream_redrafter
 from redrafter_mlx.llm import TreeLLM
@@ -17,26 +19,24 @@ from redrafter_mlx.oracle import OracleProposer
 import mlx.core as mx
 import pytest
 
-DEMO = Path(
-    os.environ.get(
-        "REDRAFTER_DEMO_MODEL",
-        redrafter_mlx.paths.models_dir() / "qwen2.5-coder-0.5b-instruct",
-    )
-)
+DEMO_NAME = "qwen2.5-coder-0.5b-instruct"
 PROMPT = 'def is_palindrome(s: str) -> bool:\n    """True if s reads the same backwards."""\n'
 
-pytestmark = [
-    pytest.mark.real_model,
-    pytest.mark.skipif(
-        not (DEMO / "config.json").is_file(),
-        reason=f"demo model not converted at {DEMO} (set REDRAFTER_DEMO_MODEL or convert it)",
-    ),
-]
+pytestmark = pytest.mark.real_model
+
+
+def demo_path() -> Path:
+    if "REDRAFTER_DEMO_MODEL" in os.environ:
+        return Path(os.environ["REDRAFTER_DEMO_MODEL"])
+    try:
+        return ensure_demo_model(DEMO_NAME)
+    except ConversionError as e:  # the demo extra is not installed
+        pytest.skip(f"demo model unavailable: {e}")
 
 
 @pytest.fixture(scope="module")
 def demo():
-    model, tokenizer, _ = load(DEMO)
+    model, tokenizer, _ = load(demo_path())
     ids = tokenizer.encode(PROMPT)
     ref = [t for o in stream_autoregressive(model, ids, max_tokens=32) for t in o.tokens]
     return model, tokenizer, ids, ref
