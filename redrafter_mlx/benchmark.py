@@ -94,14 +94,24 @@ class RunResult:
     steps: int
     peak_memory_gb: float
     accepted_by_depth: list[int] = field(default_factory=list)
+    step_ms: float = 0.0  # mean wall time of a verification step
+    phase_ms: dict[str, float] = field(default_factory=dict)  # means, profile=True only
 
 
 def consume(name: str, index: int, stream: Iterator[StepOutput]) -> RunResult:
     tokens: list[int] = []
     summary = GenerationSummary()
+    steps = []
     for out in stream:
         tokens += out.tokens
         summary = out.summary
+        steps.append(out.stats)
+    steps = steps[1:]  # step 0 is the prompt
+    phase_ms = {}
+    for phase in ("draft_time", "verify_time", "accept_time"):
+        values = [getattr(s, phase) for s in steps if getattr(s, phase) is not None]
+        if values:
+            phase_ms[phase.removesuffix("_time")] = 1000 * statistics.mean(values)
     return RunResult(
         name=name,
         prompt_index=index,
@@ -112,6 +122,8 @@ def consume(name: str, index: int, stream: Iterator[StepOutput]) -> RunResult:
         steps=summary.steps,
         peak_memory_gb=summary.peak_memory_gb,
         accepted_by_depth=list(summary.accepted_by_depth),
+        step_ms=1000 * statistics.mean(s.time for s in steps) if steps else 0.0,
+        phase_ms=phase_ms,
     )
 
 
@@ -158,6 +170,10 @@ def summarize(results: list[RunResult], baseline: str) -> dict[str, dict]:
             "speedup": statistics.median(ratios) if ratios else float("nan"),
             "peak_memory_gb": max(r.peak_memory_gb for r in rs),
             "identical_to_baseline": sum(same),
+            "step_ms": statistics.median(r.step_ms for r in rs),
+            "phase_ms": {
+                k: statistics.median(r.phase_ms[k] for r in rs) for k in (rs[0].phase_ms or {})
+            },
             "prompts": len(rs),
         }
     return out

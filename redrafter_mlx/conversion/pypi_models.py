@@ -22,7 +22,7 @@ from importlib import resources
 from pathlib import Path
 
 from .. import paths
-from .gguf import ConversionError, convert_gguf
+from .gguf import ConversionError, Progress, convert_gguf
 
 __all__ = [
     "DEMO_MODELS",
@@ -147,7 +147,9 @@ DEMO_MODELS: dict[str, tuple[str, Callable[[str | Path], Path]]] = {
 }
 
 
-def ensure_demo_model(name: str, dtype: str = "float32", force: bool = False) -> Path:
+def ensure_demo_model(
+    name: str, dtype: str = "float32", force: bool = False, progress: Progress | None = None
+) -> Path:
     """``cache_dir()/models/<name>``, assembling and converting it first if it is missing."""
     if name not in DEMO_MODELS:
         raise ConversionError(f"unknown demo model {name!r} (known: {', '.join(DEMO_MODELS)})")
@@ -156,4 +158,4 @@ def ensure_demo_model(name: str, dtype: str = "float32", force: bool = False) ->
         return folder
     file_name, assemble = DEMO_MODELS[name]
     gguf_path = assemble(cache_dir() / "gguf" / file_name)
-    return convert_gguf(gguf_path, folder, dtype=dtype, force=force)
+    return convert_gguf(gguf_path, folder, dtype=dtype, force=force, progress=progress)

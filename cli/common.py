@@ -1,0 +1,95 @@
+"""What the commands share: option types, one-line errors, progress bars, model resolution."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+err = Console(stderr=True, highlight=False)
+
+# Option types shared by the commands (flag names follow mlx-lm's CLI).
+ModelOpt = Annotated[
+    str | None,
+    typer.Option("--model", help="Registry name or mlx-lm folder (default: the demo model)."),
+]
+DrafterOpt = Annotated[
+    Path | None, typer.Option("--drafter", help="Drafter folder (default: the model's own).")
+]
+MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-m", help="Tokens to generate.")]
+TempOpt = Annotated[float, typer.Option("--temp", help="Sampling temperature (0: greedy).")]
+TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold (0: off).")]
+TopKOpt = Annotated[int, typer.Option("--top-k", help="Sample among the k most likely (0: off).")]
+MinPOpt = Annotated[float, typer.Option("--min-p", help="Min-p sampling threshold (0: off).")]
+SeedOpt = Annotated[int | None, typer.Option("--seed", help="Random seed for sampling.")]
+WidthOpt = Annotated[
+    int | None, typer.Option("--beam-width", help="Beams drafted per step, W (model default).")
+]
+LengthOpt = Annotated[
+    int | None,
+    typer.Option("--beam-length", help="Tokens per beam incl. the sure one, L (model default)."),
+]
+NoDraftOpt = Annotated[bool, typer.Option("--no-draft", help="Plain mlx-lm decoding instead.")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", help="Show tracebacks on errors.")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Replace DST if it exists.")]
+
+
+@contextlib.contextmanager
+def user_errors(verbose: bool = False) -> Iterator[None]:
+    """Turn a user mistake into one clear line and exit status 1 (a traceback with --verbose)."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
+        if verbose:
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__
+        err.print(f"[red]error:[/red] {message}", soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
+@contextlib.contextmanager
+def progress_bar(description: str) -> Iterator:
+    """A rich progress bar; yields a ``progress(done, total, name)`` callback."""
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        TextColumn("[dim]{task.fields[item]}"),
+    )
+    with Progress(*columns, console=err, disable=not err.is_terminal) as bar:
+        task = bar.add_task(description, total=None, item="")
+
+        def update(done: int, total: int, item: str = "") -> None:
+            bar.update(task, completed=done, total=total, item=item)
+
+        yield update
+
+
+def resolve(model: str | None, drafter: Path | None, no_draft: bool):
+    """Model folder, drafter folder (None with --no-draft) and the registry entry, if any."""
+    from redrafter_mlx import registry
+
+    with progress_bar("fetching model") as progress:
+        model_dir, entry = registry.resolve_model(model, progress=progress)
+    if no_draft:
+        return model_dir, None, entry
+    if drafter is None:
+        drafter = entry.drafter_dir if entry is not None else None
+        if drafter is None:
+            what = entry.name if entry is not None else model_dir
+            raise FileNotFoundError(
+                f"no trained drafter for {what}: pass --drafter DIR "
+                "(train one with `redrafter train`) or --no-draft"
+            )
+    return model_dir, drafter, entry
+
+
+def read_prompt(prompt: str) -> str:
+    return sys.stdin.read() if prompt == "-" else prompt

@@ -1,0 +1,143 @@
+"""The `redrafter` command line, driven through Typer's CliRunner."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf_fixtures import HIDDEN, bpe_vocab, layer_tensors, write_gguf
+from mlx.utils import tree_flatten
+from redrafter_cli.main import app
+from tiny_models import tiny_drafter
+from typer.testing import CliRunner
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("gguf") / "tiny-qwen.gguf"
+    write_gguf(path, "qwen2", layer_tensors("qwen2", np.random.default_rng(1)), "gpt2")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_llm_dir(tiny_gguf, tmp_path_factory) -> Path:
+    dst = tmp_path_factory.mktemp("llm") / "tiny"
+    r = invoke("convert", "llm", tiny_gguf, dst)
+    assert r.exit_code == 0, r.output
+    return dst
+
+
+def write_apple_drafter(folder: Path, vocab: int, hidden: int = HIDDEN, seed: int = 0) -> Path:
+    """A random drafter in Apple's format: HF-style config.json + model.safetensors."""
+    drafter = tiny_drafter(hidden, vocab, seed=seed)
+    folder.mkdir(parents=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(drafter.parameters())))
+    config = {
+        "architectures": ["Drafter"],
+        "model_type": "recurrent_drafting_drafter",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "exit_dim": 2 * hidden,
+        "num_draft_layers": 2,
+        "rnn": True,
+        "num_lookback_tokens": 1,
+        "torch_dtype": "float32",
+        "transformers_version": "4.40.0",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+VOCAB = len(bpe_vocab()[0])
+
+
+def test_help_lists_every_command():
+    r = invoke("--help")
+    assert r.exit_code == 0
+    for cmd in ("generate", "fetch", "models", "convert"):
+        assert cmd in r.output
+
+
+def test_models_lists_the_registry():
+    r = invoke("models")
+    assert r.exit_code == 0, r.output
+    assert "qwen2.5-coder" in r.output and "gemma-3-270m" in r.output
+
+
+def test_converted_apple_drafter_and_gguf_llm_run_together(tiny_llm_dir, tmp_path):
+    apple = write_apple_drafter(tmp_path / "apple", VOCAB)
+    drafter = tmp_path / "drafter"
+    r = invoke("convert", "drafter", apple, drafter, "--dtype", "float32", "--llm", tiny_llm_dir)
+    assert r.exit_code == 0, r.output
+    common = ("--model", tiny_llm_dir, "--prompt", "the cat", "--max-tokens", "24", "--json")
+    plain = invoke("generate", *common, "--no-draft")
+    assert plain.exit_code == 0, plain.output
+    spec = invoke("generate", *common, "--drafter", drafter, "--beam-width", "3")
+    assert spec.exit_code == 0, spec.output
+    a, b = json.loads(plain.output), json.loads(spec.output)
+    assert b["token_ids"] == a["token_ids"] and b["num_tokens"] == len(a["token_ids"]) > 0
+    assert b["settings"]["beam_width"] == 3 and b["steps"] >= 1
+
+
+def test_convert_llm_refuses_existing_destination(tiny_gguf, tiny_llm_dir):
+    r = invoke("convert", "llm", tiny_gguf, tiny_llm_dir)
+    assert r.exit_code == 1
+    assert "exists; pass --force" in r.output and "Traceback" not in r.output
+
+
+def test_convert_llm_truncated_gguf_is_one_line(tiny_gguf, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(tiny_gguf.read_bytes()[:5000])
+    r = invoke("convert", "llm", bad, tmp_path / "out")
+    assert r.exit_code == 1 and "bad.gguf" in r.output
+    assert len(r.output.strip().splitlines()) == 1, r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_drafter_llm_mismatch(tiny_llm_dir, tmp_path):
+    apple = write_apple_drafter(tmp_path / "apple", VOCAB + 1)
+    r = invoke("convert", "drafter", apple, tmp_path / "d", "--llm", tiny_llm_dir)
+    assert r.exit_code == 1 and "vocab" in r.output
+    assert not (tmp_path / "d").exists()
+
+
+def test_convert_missing_source(tmp_path):
+    r = invoke("convert", "drafter", tmp_path / "nope", tmp_path / "d")
+    assert r.exit_code == 1 and "nope" in r.output
+    r = invoke("convert", "llm", tmp_path / "nope.gguf", tmp_path / "l")
+    assert r.exit_code == 1 and "nope.gguf" in r.output
+
+
+def test_generate_errors_are_one_line(tiny_llm_dir, tmp_path):
+    r = invoke("generate", "--model", tmp_path / "missing", "--prompt", "x")
+    assert r.exit_code == 1 and "no such model folder" in r.output
+    r = invoke("generate", "--model", tiny_llm_dir, "--prompt", "x")
+    assert r.exit_code == 1 and "no trained drafter" in r.output
+    wrong = write_apple_drafter(tmp_path / "apple", VOCAB, hidden=HIDDEN // 2)
+    ours = tmp_path / "ours"
+    assert invoke("convert", "drafter", wrong, ours).exit_code == 0
+    r = invoke("generate", "--model", tiny_llm_dir, "--drafter", ours, "--prompt", "x")
+    assert r.exit_code == 1 and "hidden_size" in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.real_model
+def test_fetch_converts_once_then_reuses(tmp_path, monkeypatch):
+    monkeypatch.setenv("REDRAFTER_HOME", str(tmp_path))
+    r = invoke("fetch", "gemma-3-270m")
+    if r.exit_code != 0 and "not installed" in r.output:
+        pytest.skip(r.output.strip())
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "models" / "gemma-3-270m" / "config.json").is_file()
+    again = invoke("fetch", "gemma-3-270m")
+    assert again.exit_code == 0 and "already there" in again.output
+    r = invoke("fetch", "no-such-model")
+    assert r.exit_code == 1 and "unknown model" in r.output
