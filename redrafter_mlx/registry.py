@@ -11,8 +11,6 @@ and the standard cache, then converted by mlx-lm). Converted models live in
 from __future__ import annotations
 
 import json
-import shutil
-import uuid
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -117,26 +115,22 @@ def convert_hf(
     """
     from mlx_lm.convert import convert
 
-    dst = Path(dst)
-    if dst.exists() and not force:
-        raise ValueError(f"{dst} exists; pass --force")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex[:12]}.tmp")
-    try:
+    from .conversion.atomic import atomic_folder
+
+    with atomic_folder(dst, force) as tmp:
+        out = tmp / "model"  # mlx-lm's converter refuses an existing folder
         convert(
             hf_path=str(hf_path),
-            mlx_path=str(tmp),
+            mlx_path=str(out),
             dtype=dtype,
             quantize=quantize,
             q_bits=q_bits if quantize else None,
             q_group_size=q_group_size if quantize else None,
         )
-        if dst.exists():
-            shutil.rmtree(dst)
-        tmp.rename(dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dst
+        for item in out.iterdir():
+            item.rename(tmp / item.name)
+        out.rmdir()
+    return Path(dst)
 
 
 def resolve_model(

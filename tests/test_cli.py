@@ -141,3 +141,16 @@ def test_fetch_converts_once_then_reuses(tmp_path, monkeypatch):
     assert again.exit_code == 0 and "already there" in again.output
     r = invoke("fetch", "no-such-model")
     assert r.exit_code == 1 and "unknown model" in r.output
+
+
+def test_convert_llm_from_hf_folder_quantized(tiny_llm_dir, tmp_path):
+    """An HF-layout folder goes through mlx-lm's converter (here with 8-bit quantization)."""
+    dst = tmp_path / "q8"
+    r = invoke("convert", "llm", tiny_llm_dir, dst, "-q", "--q-bits", "8", "--q-group-size", "32")
+    assert r.exit_code == 0, r.output
+    config = json.loads((dst / "config.json").read_text())
+    assert config["quantization"]["bits"] == 8 and config["quantization"]["group_size"] == 32
+    r = invoke("generate", "--model", dst, "--no-draft", "--prompt", "the cat", "-m", "5", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["num_tokens"] == 5
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp left

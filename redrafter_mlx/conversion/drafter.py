@@ -42,9 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
 import sys
-import uuid
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -54,6 +52,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..drafter import CONFIG_FILE, MODEL_TYPE, WEIGHTS_FILE, Drafter, DrafterConfig
+from .atomic import atomic_folder
 from .errors import ConversionError
 
 __all__ = [
@@ -455,35 +454,9 @@ def _check_destination(dst: Path, src: Path, force: bool) -> None:
 
 def write_drafter(weights: dict[str, mx.array], config: DrafterConfig, dst: Path, force: bool):
     """Write ``config.json`` + ``model.safetensors`` into a temp folder, then move it to ``dst``."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex[:12]}.tmp")
-    tmp.mkdir()
-    try:
+    with atomic_folder(dst, force) as tmp:
         mx.save_safetensors(str(tmp / WEIGHTS_FILE), weights, metadata={"format": "mlx"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-        _replace(tmp, dst, force)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _replace(tmp: Path, dst: Path, force: bool) -> None:
-    """Move the finished folder into place; with ``force`` the old ``dst`` goes only at the end."""
-    if not dst.exists():
-        tmp.rename(dst)
-        return
-    if not force:
-        raise DrafterConversionError(f"{dst} exists; pass force=True (--force) to replace it")
-    old = dst.with_name(f".{dst.name}.old-{tmp.name}")
-    dst.rename(old)
-    try:
-        tmp.rename(dst)
-    except BaseException:
-        old.rename(dst)
-        raise
-    if old.is_dir():
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        old.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------------------------

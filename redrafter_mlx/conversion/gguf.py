@@ -27,8 +27,6 @@ import importlib
 import json
 import math
 import re
-import shutil
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from .atomic import atomic_folder
 from .errors import ConversionError
 
 __all__ = ["ConversionError", "convert_gguf", "read_gguf"]
@@ -762,15 +761,8 @@ def convert_gguf(
     if dst.exists() and not force:
         raise ConversionError(f"{dst} exists; pass --force")
     model = read_gguf(src)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.{uuid.uuid4().hex[:12]}.tmp")
-    tmp.mkdir()  # unlike mkdtemp this honours the umask (the result is a normal folder)
-    try:
+    with atomic_folder(dst, force) as tmp:
         _convert_into(model, tmp, dtype, progress)
-        _replace(tmp, dst, force)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dst
 
 
@@ -786,22 +778,6 @@ def _convert_into(model: GGUFModel, folder: Path, dtype: str, progress: Progress
     write_tokenizer(model, folder)
     _write_json(folder / "config.json", config)
     save_weights(weights, folder / "model.safetensors", dtype)
-
-
-def _replace(tmp: Path, dst: Path, force: bool) -> None:
-    """Move the finished folder into place; with ``force`` swap out the old one last."""
-    if not dst.exists():
-        tmp.rename(dst)
-        return
-    if not force:
-        raise ConversionError(f"{dst} exists; pass --force")
-    old = dst.with_name(f".{dst.name}.old-{tmp.name}")
-    dst.rename(old)
-    tmp.rename(dst)
-    if old.is_dir() and not old.is_symlink():
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        old.unlink()
 
 
 def main(argv: list[str] | None = None) -> int:
