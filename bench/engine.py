@@ -111,12 +111,16 @@ def main() -> None:
     print(
         f"\nW={W} L={L} max_tokens={n} prompts={args.prompts} ({time.perf_counter() - tic:.0f} s)"
     )
-    print(f"{'mode':10s} {'tok/s':>8s} {'speedup':>8s} {'tok/step':>9s} {'peak GB':>8s} same")
+    print(
+        f"{'mode':10s} {'tok/s':>8s} {'speedup':>8s} {'tok/step':>9s} {'ms/step':>8s} "
+        f"{'peak GB':>8s} same  phases (ms)"
+    )
     for name, row in table.items():
+        phases = " ".join(f"{k}={v:.0f}" for k, v in row["phase_ms"].items())
         print(
             f"{name:10s} {row['generation_tps']:8.2f} {row['speedup']:7.2f}x "
-            f"{row['tokens_per_step']:9.2f} {row['peak_memory_gb']:8.2f} "
-            f"{row['identical_to_baseline']}/{row['prompts']}"
+            f"{row['tokens_per_step']:9.2f} {row['step_ms']:8.0f} {row['peak_memory_gb']:8.2f} "
+            f"{row['identical_to_baseline']}/{row['prompts']}  {phases}"
         )
     write_json(args.out, {"machine": info, "args": vars(args), "summary": table, "runs": results})
     print(f"wrote {args.out}")
