@@ -6,7 +6,7 @@ import redrafter_mlx  # noqa: F401  (loads OpenBLAS before anything imports mlx)
 
 import typer
 
-from . import convert, generate, models
+from . import convert, generate, models, train
 
 app = typer.Typer(
     help="ReDrafter speculative decoding for LLMs on MLX.",
@@ -17,6 +17,7 @@ app = typer.Typer(
 app.command()(generate.generate)
 app.command()(models.fetch)
 app.command()(models.models)
+app.command()(train.train)
 app.add_typer(convert.app, name="convert")
 
 

@@ -154,3 +154,52 @@ def test_convert_llm_from_hf_folder_quantized(tiny_llm_dir, tmp_path):
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["num_tokens"] == 5
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp left
+
+
+def test_train_smoke_run_then_generate(tiny_llm_dir, tmp_path):
+    """`redrafter train` end to end on a tiny model: data, vocab, steps, resume, eval."""
+    out, work = tmp_path / "drafter", tmp_path / "work"
+    args = (
+        "train",
+        "--model",
+        tiny_llm_dir,
+        "--out",
+        out,
+        "--work-dir",
+        work,
+        "--num-prompts",
+        "10",
+        "--held-out",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--gen-batch",
+        "4",
+        "--draft-vocab",
+        "64",
+        "--window",
+        "16",
+        "--batch-rows",
+        "4",
+        "--checkpoint-every",
+        "3",
+        "--dtype",
+        "float32",
+    )
+    r = invoke(*args, "--max-steps", "3")
+    assert r.exit_code == 0, r.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["train_steps"] == 3 and report["draft_vocab_size"] == 64
+    assert len(report["heldout_accuracy_by_horizon"]) == 5
+    assert (work / "data" / "generations.jsonl").is_file()
+    # Resume: continues from step 3 with the cached data instead of starting over.
+    r = invoke(*args, "--max-steps", "5", "--resume")
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "report.json").read_text())["train_steps"] == 5
+    config = json.loads((out / "config.json").read_text())
+    assert len(config["draft_vocab"]) == 64
+    common = ("--model", tiny_llm_dir, "--prompt", "the cat", "-m", "12", "--json")
+    plain = json.loads(invoke("generate", *common, "--no-draft").output)
+    spec = invoke("generate", *common, "--drafter", out)
+    assert spec.exit_code == 0, spec.output
+    assert json.loads(spec.output)["token_ids"] == plain["token_ids"]

@@ -1,0 +1,184 @@
+"""The drafter training recipe, end to end: data, draft vocabulary, training, evaluation.
+
+    data  = prompts -> the LLM's greedy answers -> their hidden states   (cached in data_dir)
+    vocab = the V_d most frequent answer tokens                          (coverage reported)
+    train = Apple's K-horizon objective, AdamW, warmup + cosine          (checkpoints, resume)
+    eval  = held-out per-horizon accuracy and real tokens/step through the engine
+
+The drafter goes to ``out/`` in the converter's format (``config.json`` with the draft
+vocabulary, ``model.safetensors``) with ``report.json``, everything the run measured. Data
+and checkpoints go to a work folder (default ``$REDRAFTER_HOME/train/<out name>``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from . import distill_data as data
+from . import paths
+from .beam_search import make_proposer
+from .benchmark import consume
+from .generate import stream_redrafter
+from .llm import TreeLLM
+from .loading import load, model_dims
+from .training import Example, TrainConfig, choose_draft_vocab, evaluate, new_drafter, train
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class Recipe:
+    num_prompts: int = 1200
+    held_out: int = 24  # prompts kept out of training, for evaluation
+    max_new_tokens: int = 160
+    gen_batch: int = 16
+    draft_vocab: int | None = 16384  # None: the full vocabulary
+    prompts_file: str | None = None  # a JSONL of prompts/texts instead of the stdlib corpus
+    dtype: str = "float16"  # of the saved drafter
+    eval_width: int = 4
+    eval_length: int = 5
+    eval_tokens: int = 64
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def prepare_data(model, tokenizer, recipe: Recipe, data_dir: Path, log: Log, progress=None):
+    """Prompts, generations and hidden states, each cached in ``data_dir``."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    prompts_path = data_dir / "prompts.jsonl"
+    if prompts_path.exists():
+        prompts = [json.loads(line) for line in prompts_path.read_text().splitlines()]
+    else:
+        if recipe.prompts_file:
+            prompts = data.read_jsonl_prompts(recipe.prompts_file, tokenizer)
+        else:
+            prompts = data.build_prompts(tokenizer, recipe.num_prompts, seed=recipe.train.seed)
+        prompts_path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    log(f"prompts: {len(prompts)}")
+    tic = time.perf_counter()
+    samples = data.generate_answers(
+        model,
+        tokenizer,
+        prompts,
+        data_dir / "generations.jsonl",
+        max_tokens=recipe.max_new_tokens,
+        batch_size=recipe.gen_batch,
+        progress=progress,
+    )
+    gen_s = time.perf_counter() - tic
+    tic = time.perf_counter()
+    shards = data.cache_hidden_states(model, samples, data_dir)
+    hidden = data.load_hidden_states(shards)
+    hidden_s = time.perf_counter() - tic
+    examples = {
+        i: Example(np.array(s.answer, np.int32), hidden[i])
+        for i, s in enumerate(samples)
+        if s.answer and i in hidden
+    }
+    tokens = sum(len(e.tokens) for e in examples.values())
+    log(
+        f"answers: {len(examples)}, {tokens} tokens (generated in {gen_s:.0f} s, "
+        f"hidden states in {hidden_s:.0f} s)"
+    )
+    return samples, examples, {"generation_s": gen_s, "hidden_s": hidden_s, "tokens": tokens}
+
+
+def tokens_per_step(llm: TreeLLM, drafter, prompts, width, length, max_tokens, stop) -> float:
+    """Mean tokens per step of greedy ReDrafter over ``prompts``."""
+    propose = make_proposer(drafter, llm.embed, width, length)
+    steps = tokens = 0
+    for i, p in enumerate(prompts):
+        stream = stream_redrafter(llm, propose, p, max_tokens=max_tokens, stop_tokens=stop)
+        r = consume("eval", i, stream)
+        steps += r.steps
+        tokens += len(r.tokens) - 1
+    return tokens / max(steps, 1)
+
+
+def run(
+    model_path: str | Path,
+    out: str | Path,
+    recipe: Recipe,
+    work_dir: str | Path | None = None,
+    resume: bool = False,
+    log: Log = print,
+    on_train_log=None,
+    progress=None,
+) -> dict:
+    """Train a drafter for the LLM at ``model_path``; return the report (also written)."""
+    out = Path(out)
+    work = Path(work_dir) if work_dir else paths.cache_dir() / "train" / out.name
+    model, tokenizer, _ = load(model_path)
+    hidden_size, vocab_size = model_dims(model)
+    samples, examples, data_report = prepare_data(
+        model, tokenizer, recipe, work / "data", log, progress
+    )
+    n_eval = min(recipe.held_out, max(len(samples) // 5, 1))
+    eval_ids = range(len(samples) - n_eval, len(samples))  # the last prompts are held out
+    train_ex = [e for i, e in examples.items() if i not in eval_ids]
+    eval_ex = [examples[i] for i in eval_ids if i in examples]
+    vocab, coverage = choose_draft_vocab(train_ex, recipe.draft_vocab, vocab_size)
+    eval_tokens = np.concatenate([e.tokens for e in eval_ex])
+    eval_cover = float(np.isin(eval_tokens, vocab).mean()) if vocab is not None else 1.0
+    log(
+        f"draft vocab: {len(vocab) if vocab else vocab_size} tokens, covering "
+        f"{coverage:.1%} of training and {eval_cover:.1%} of held-out answer tokens"
+    )
+
+    llm = TreeLLM(model)
+    cfg = recipe.train
+    drafter = new_drafter(cfg, hidden_size, vocab_size, vocab)
+    tic = time.perf_counter()
+    drafter, state = train(
+        drafter,
+        llm.embed,
+        train_ex,
+        cfg,
+        checkpoint_dir=work / "checkpoint",
+        resume=resume,
+        on_log=on_train_log,
+    )
+    train_s = time.perf_counter() - tic
+    if mx.distributed.init().rank() != 0:
+        return {}
+    accuracy = evaluate(drafter, llm.embed, eval_ex, cfg.horizons, cfg.window)
+    eval_prompts = [samples[i].prompt for i in eval_ids][:8]
+    tps = tokens_per_step(
+        llm,
+        drafter,
+        eval_prompts,
+        recipe.eval_width,
+        recipe.eval_length,
+        recipe.eval_tokens,
+        tokenizer.eos_token_ids,
+    )
+    log(
+        f"held-out top-1 accuracy by horizon: {[round(a, 3) for a in accuracy]}; "
+        f"tokens/step (W={recipe.eval_width}, L={recipe.eval_length}): {tps:.2f}"
+    )
+    drafter.set_dtype(getattr(mx, recipe.dtype))
+    drafter.config.extra.update({"trained_with": "redrafter-mlx", "horizons": cfg.horizons})
+    drafter.save_pretrained(out)
+    report = {
+        "model": str(model_path),
+        "recipe": asdict(recipe),
+        "data": data_report,
+        "draft_vocab_size": len(vocab) if vocab else vocab_size,
+        "draft_vocab_coverage_train": coverage,
+        "draft_vocab_coverage_heldout": eval_cover,
+        "train_steps": state.step,
+        "train_seconds": state.seconds,
+        "train_tokens_per_s": state.tokens_seen / max(state.seconds, 1e-9),
+        "train_seconds_this_run": train_s,
+        "heldout_accuracy_by_horizon": accuracy,
+        "heldout_tokens_per_step": tps,
+        "history": state.history,
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report
