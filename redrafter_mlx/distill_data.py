@@ -1,15 +1,15 @@
 """Distillation data: prompts from an offline corpus, answered by the LLM itself.
 
 Sequence-level knowledge distillation trains the drafter on text the LLM generated (greedy),
-so what the drafter learns to predict is exactly what verification will accept. Steps, each
-cached in the data folder so an interrupted run picks up where it stopped:
+so what the drafter learns to predict is exactly what verification will accept. Both steps
+are cached in the data folder, so an interrupted run picks up where it stopped:
 
 1. prompts (``prompts.jsonl``): Python standard-library functions, as raw completions
    (signature + docstring, the LLM writes the body) and as chat requests; or a user JSONL of
    ``{"prompt": ...}`` / ``{"text": ...}`` lines;
-2. generations (``generations.jsonl``): the LLM's greedy answers, in batches;
-3. hidden states (``hidden-*.safetensors``): the LLM's final hidden state at every answer
-   position, recomputed in one teacher-forced forward per batch.
+2. answers (``generations.jsonl``): the LLM's greedy answers, in batches, and with them
+   (``hidden-*.safetensors``) the final hidden state that produced every answer token, kept
+   during generation so no second forward pass is needed.
 
 HumanEval is the benchmark and is never used here.
 """
@@ -108,111 +108,101 @@ def read_jsonl_prompts(path: str | Path, tokenizer) -> list[list[int]]:
 # -- generation ---------------------------------------------------------------------------------
 
 
-def generate_answers(
+def greedy_with_hidden(
+    model: nn.Module, prompts: list[list[int]], max_tokens: int, stop_tokens: set[int]
+) -> list[tuple[list[int], np.ndarray]]:
+    """Batched greedy answers and, for each answer token, the hidden state that produced it.
+
+    Prompts are left-padded into mlx-lm's BatchKVCache; finished rows leave the batch.
+    Returns (answer, hidden [len(answer), H] float16) per prompt, stop token excluded.
+    """
+    from mlx_lm.models.cache import BatchKVCache
+
+    adapter = adapter_for(model)
+    L = max(len(p) for p in prompts)
+    pads = [L - len(p) for p in prompts]
+    ids = mx.array([[0] * pad + p for p, pad in zip(prompts, pads, strict=True)], mx.int32)
+    cache = [BatchKVCache(left_padding=pads) for _ in model.layers]
+    h = adapter.hidden_states(model, ids, cache)[:, -1]  # [B, H]
+    answers: list[list[int]] = [[] for _ in prompts]
+    hiddens: list[list[np.ndarray]] = [[] for _ in prompts]
+    alive = list(range(len(prompts)))
+    for _ in range(max_tokens):
+        tok = mx.argmax(adapter.lm_head(model, h), axis=-1)
+        h16 = h.astype(mx.float16)
+        mx.eval(tok, h16)
+        tokens, states = tok.tolist(), np.array(h16)
+        keep = []
+        for row, b in enumerate(alive):
+            if tokens[row] in stop_tokens:
+                continue
+            answers[b].append(tokens[row])
+            hiddens[b].append(states[row])
+            if len(answers[b]) < max_tokens:
+                keep.append(row)
+        if not keep:
+            break
+        if len(keep) < len(alive):
+            index = mx.array(keep)
+            for c in cache:
+                c.filter(index)
+            tok = tok[index]
+            alive = [alive[r] for r in keep]
+        h = adapter.hidden_states(model, tok[:, None], cache)[:, -1]
+    H = h.shape[-1]
+    return [
+        (a, np.stack(hs) if hs else np.zeros((0, H), np.float16))
+        for a, hs in zip(answers, hiddens, strict=True)
+    ]
+
+
+def generate_dataset(
     model: nn.Module,
-    tokenizer,
     prompts: list[list[int]],
-    path: Path,
-    max_tokens: int = 192,
+    folder: Path,
+    stop_tokens: set[int],
+    max_tokens: int = 160,
     batch_size: int = 16,
     progress: Callable[[int, int], None] | None = None,
-) -> list[Sample]:
-    """Greedy answers for ``prompts``, appended to ``path`` batch by batch (resumable)."""
-    from mlx_lm.generate import batch_generate
+) -> tuple[list[Sample], dict[int, np.ndarray]]:
+    """Answer every prompt (greedy) and keep the answers' hidden states, batch by batch.
 
-    done = read_samples(path) if path.exists() else []
-    if done and [s.prompt for s in done] != prompts[: len(done)]:
-        raise ValueError(f"{path}: cached generations belong to other prompts; use a new folder")
-    with path.open("a") as f:
-        for start in range(len(done), len(prompts), batch_size):
-            batch = prompts[start : start + batch_size]
-            out = batch_generate(
-                model,
-                tokenizer,
-                batch,
-                max_tokens=max_tokens,
-                return_token_ids=True,
-                completion_batch_size=batch_size,
-                prefill_batch_size=batch_size,
+    Batches take prompts of similar length (less padding). Each finished batch is written as
+    one ``hidden-NNNNN.safetensors`` shard and its lines in ``generations.jsonl``, so an
+    interrupted run resumes with the next batch. Returns samples and hidden states by index.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
+    jsonl = folder / "generations.jsonl"
+    rows = [json.loads(x) for x in jsonl.read_text().splitlines()] if jsonl.exists() else []
+    done = {r["index"]: r for r in rows}
+    for r in done.values():
+        if r["prompt"] != prompts[r["index"]]:
+            raise ValueError(f"{jsonl}: cached answers belong to other prompts; use a new folder")
+    with jsonl.open("a") as f:
+        for n, batch in enumerate(batches):
+            shard = folder / f"hidden-{n:05d}.safetensors"
+            if shard.exists() and all(i in done for i in batch):
+                continue
+            results = greedy_with_hidden(
+                model, [prompts[i] for i in batch], max_tokens, stop_tokens
             )
-            for prompt, answer in zip(batch, out.token_ids, strict=True):
-                done.append(Sample(prompt, list(answer)))
-                f.write(json.dumps({"prompt": prompt, "answer": list(answer)}) + "\n")
+            arrays = {
+                str(i): mx.array(h) for i, (_, h) in zip(batch, results, strict=True) if len(h)
+            }
+            tmp = shard.with_name(f".{shard.stem}.tmp.safetensors")  # mlx keeps the suffix
+            mx.save_safetensors(str(tmp), arrays)
+            tmp.rename(shard)
+            for i, (answer, _) in zip(batch, results, strict=True):
+                done[i] = {"index": i, "prompt": prompts[i], "answer": answer}
+                f.write(json.dumps(done[i]) + "\n")
             f.flush()
             if progress:
-                progress(len(done), len(prompts))
-    return done
-
-
-def read_samples(path: Path) -> list[Sample]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [Sample(r["prompt"], r["answer"]) for r in rows]
-
-
-# -- hidden states ------------------------------------------------------------------------------
-
-
-def answer_hidden_states(model: nn.Module, samples: list[Sample]) -> list[mx.array]:
-    """For each sample, [len(answer), H]: row j is the state that produced answer[j].
-
-    Right-padding a batch is harmless in a causal model: padding comes after every real token.
-    """
-    adapter = adapter_for(model)
-    seqs = [s.prompt + s.answer[:-1] for s in samples]
-    T = max(len(q) for q in seqs)
-    ids = mx.array([q + [0] * (T - len(q)) for q in seqs], dtype=mx.int32)
-    hidden = adapter.hidden_states(model, ids, cache=None)  # [B, T, H]
-    out = []
-    for b, s in enumerate(samples):
-        start = len(s.prompt) - 1
-        out.append(hidden[b, start : start + len(s.answer)])
-    return out
-
-
-def cache_hidden_states(
-    model: nn.Module,
-    samples: list[Sample],
-    folder: Path,
-    batch_tokens: int = 2048,
-    progress: Callable[[int, int], None] | None = None,
-) -> list[Path]:
-    """Write the answers' hidden states (float16) in shards of about ``batch_tokens`` tokens."""
-    shards, batch, index = [], [], 0
-    length = [len(s.prompt) + len(s.answer) for s in samples]
-    order = sorted(range(len(samples)), key=length.__getitem__)
-
-    def flush() -> None:
-        nonlocal batch, index
-        path = folder / f"hidden-{index:05d}.safetensors"
-        if not path.exists():
-            states = answer_hidden_states(model, [samples[i] for i in batch])
-            arrays = {f"{i}": h.astype(mx.float16) for i, h in zip(batch, states, strict=True)}
-            tmp = path.with_suffix(".tmp.safetensors")
-            mx.save_safetensors(str(tmp), arrays)
-            tmp.rename(path)
-        shards.append(path)
-        index += 1
-        batch = []
-        if progress:
-            progress(sum(1 for _ in shards), -1)
-
-    tokens = 0
-    for i in order:
-        if not samples[i].answer:
-            continue
-        n = length[i]
-        if batch and (len(batch) + 1) * max(n, tokens) > batch_tokens:
-            flush()
-        batch.append(i)
-        tokens = n
-    if batch:
-        flush()
-    return shards
-
-
-def load_hidden_states(shards: list[Path]) -> dict[int, np.ndarray]:
-    out: dict[int, np.ndarray] = {}
-    for path in shards:
-        for key, value in mx.load(str(path)).items():
-            out[int(key)] = np.array(value)
-    return out
+                progress(sum(len(b) for b in batches[: n + 1]), len(prompts))
+    hidden: dict[int, np.ndarray] = {}
+    for n in range(len(batches)):
+        for key, value in mx.load(str(folder / f"hidden-{n:05d}.safetensors")).items():
+            hidden[int(key)] = np.array(value)
+    samples = [Sample(prompts[i], done[i]["answer"]) for i in range(len(prompts))]
+    return samples, hidden

@@ -62,31 +62,24 @@ def prepare_data(model, tokenizer, recipe: Recipe, data_dir: Path, log: Log, pro
         prompts_path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
     log(f"prompts: {len(prompts)}")
     tic = time.perf_counter()
-    samples = data.generate_answers(
+    samples, hidden = data.generate_dataset(
         model,
-        tokenizer,
         prompts,
-        data_dir / "generations.jsonl",
+        data_dir,
+        stop_tokens=set(tokenizer.eos_token_ids),
         max_tokens=recipe.max_new_tokens,
         batch_size=recipe.gen_batch,
         progress=progress,
     )
     gen_s = time.perf_counter() - tic
-    tic = time.perf_counter()
-    shards = data.cache_hidden_states(model, samples, data_dir)
-    hidden = data.load_hidden_states(shards)
-    hidden_s = time.perf_counter() - tic
     examples = {
         i: Example(np.array(s.answer, np.int32), hidden[i])
         for i, s in enumerate(samples)
         if s.answer and i in hidden
     }
     tokens = sum(len(e.tokens) for e in examples.values())
-    log(
-        f"answers: {len(examples)}, {tokens} tokens (generated in {gen_s:.0f} s, "
-        f"hidden states in {hidden_s:.0f} s)"
-    )
-    return samples, examples, {"generation_s": gen_s, "hidden_s": hidden_s, "tokens": tokens}
+    log(f"answers: {len(examples)}, {tokens} tokens ({gen_s:.0f} s this run)")
+    return samples, examples, {"generation_s_this_run": gen_s, "tokens": tokens}
 
 
 def tokens_per_step(llm: TreeLLM, drafter, prompts, width, length, max_tokens, stop) -> float:

@@ -87,6 +87,23 @@ def make_rows(examples: list[Example], window: int, horizons: int) -> list[tuple
     return rows
 
 
+def target_counts(
+    examples: list[Example],
+    rows: list[tuple[int, int]],
+    window: int,
+    vocab_index: np.ndarray,
+    horizons: int,
+) -> np.ndarray:
+    """[K] number of valid targets per horizon in ``rows`` (tokens only: cheap, on the host)."""
+    counts = np.zeros(horizons)
+    for i, s in rows:
+        n = min(window, len(examples[i].tokens) - s)
+        in_vocab = vocab_index[examples[i].tokens[s : s + n]] >= 0
+        for k in range(1, horizons + 1):
+            counts[k - 1] += in_vocab[k:].sum()
+    return np.maximum(counts, 1)
+
+
 def batch_arrays(
     examples: list[Example], rows: list[tuple[int, int]], window: int, vocab_index: np.ndarray
 ):
@@ -125,8 +142,13 @@ def drafter_loss(
     horizons: int,
     llm_head: mx.array | None = None,  # [V_d, H] LLM output rows of the draft vocab (KL)
     kl_weight: float = 0.0,
+    norm: mx.array | None = None,  # [K] targets per horizon in the whole (global) batch
 ):
-    """Sum over horizons of mean cross-entropy; also per-horizon (correct, count)."""
+    """Sum over horizons of the mean cross-entropy; also per-horizon (correct, count).
+
+    The mean divides by ``norm`` when given (the global batch's target counts), so summing
+    the gradients of micro-batches and ranks gives exactly the gradient of the whole batch.
+    """
     B, T, H = embeddings.shape
     state = mx.zeros((B, T, H), dtype=drafter.dtype)
     total = mx.array(0.0)
@@ -138,7 +160,7 @@ def drafter_loss(
         tgt = shift_left(targets[..., None], k)[..., 0]
         ok = shift_left(valid[..., None], k)[..., 0] & valid & (tgt >= 0)
         ce = nn.losses.cross_entropy(logits, mx.maximum(tgt, 0), reduction="none")
-        n = mx.maximum(ok.sum(), 1)
+        n = mx.maximum(ok.sum(), 1) if norm is None else norm[k - 1]
         total = total + (ce * ok).sum() / n
         if k == 1 and kl_weight > 0 and llm_head is not None:
             # The LLM's distribution for x_{j+1} comes from the state at j + 1.
@@ -237,31 +259,40 @@ def train(
         raise ValueError("no training rows: the examples are empty")
     micro = cfg.batch_rows // world // cfg.grad_accum
 
-    def loss_fn(model, tokens, hidden, targets, valid):
+    def loss_fn(model, tokens, hidden, targets, valid, norm):
         return drafter_loss(
-            model, embed(tokens), hidden, targets, valid, cfg.horizons, llm_head, cfg.kl_weight
+            model,
+            embed(tokens),
+            hidden,
+            targets,
+            valid,
+            cfg.horizons,
+            llm_head,
+            cfg.kl_weight,
+            norm,
         )
 
     loss_and_grad = nn.value_and_grad(drafter, loss_fn)
     tic = time.perf_counter()
     while state.step < cfg.steps:
-        picked = batch_indices(len(rows), cfg.batch_rows, state.step, cfg.seed)
+        picked = [rows[i] for i in batch_indices(len(rows), cfg.batch_rows, state.step, cfg.seed)]
+        norm = mx.array(target_counts(examples, picked, cfg.window, vocab_index, cfg.horizons))
         share = cfg.batch_rows // world
-        mine = [rows[i] for i in picked[rank * share : (rank + 1) * share]]
-        grads, losses, correct, counts = None, [], np.zeros(cfg.horizons), np.zeros(cfg.horizons)
+        mine = picked[rank * share : (rank + 1) * share]
+        grads, totals = None, mx.zeros(1 + 2 * cfg.horizons)  # loss, correct[K], count[K]
         for a in range(cfg.grad_accum):
             part = mine[a * micro : (a + 1) * micro]
             arrays = batch_arrays(examples, part, cfg.window, vocab_index)
-            (loss, stats), g = loss_and_grad(drafter, *arrays)
+            (loss, stats), g = loss_and_grad(drafter, *arrays, norm)
             grads = g if grads is None else tree_map(mx.add, grads, g)
-            mx.eval(loss, grads, stats)
-            losses.append(loss.item())
-            correct += [c.item() for c, _ in stats]
-            counts += [n.item() for _, n in stats]
-            state.tokens_seen += int(np.array(arrays[3]).sum()) * world
-        grads = tree_map(lambda g: g / cfg.grad_accum, grads)
-        if world > 1:
-            grads = tree_map(lambda g: mx.distributed.all_sum(g, group=group) / world, grads)
+            correct, count = (mx.stack([s[j] for s in stats]).astype(mx.float32) for j in (0, 1))
+            totals = totals + mx.concatenate([loss[None], correct, count])
+            mx.eval(grads, totals)
+        if world > 1:  # each rank's loss was normalised by the global count: sum, not average
+            grads = tree_map(lambda g: mx.distributed.all_sum(g, group=group), grads)
+            totals = mx.distributed.all_sum(totals, group=group)
+        totals = np.array(totals)
+        state.tokens_seen += int(totals[1 + cfg.horizons])  # horizon-1 targets of the step
         opt.update(drafter, grads)
         mx.eval(drafter.parameters(), opt.state)
         state.step += 1
@@ -270,8 +301,10 @@ def train(
         if state.step % cfg.log_every == 0 or state.step == cfg.steps:
             log = {
                 "step": state.step,
-                "loss": float(np.mean(losses)),
-                "acc": (correct / np.maximum(counts, 1)).round(4).tolist(),
+                "loss": float(totals[0]),
+                "acc": (totals[1 : 1 + cfg.horizons] / np.maximum(totals[1 + cfg.horizons :], 1))
+                .round(4)
+                .tolist(),
                 "lr": float(opt.learning_rate.item()),
                 "tokens_per_s": state.tokens_seen / max(state.seconds, 1e-9),
             }

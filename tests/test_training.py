@@ -1,0 +1,159 @@
+"""Drafter training: data generation with hidden states, the objective, resume, data parallel."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from redrafter_mlx.distill_data import generate_dataset, greedy_with_hidden
+from redrafter_mlx.generate import stream_autoregressive
+from redrafter_mlx.training import (
+    choose_draft_vocab,
+    draft_vocab_index,
+    drafter_loss,
+    evaluate,
+    train,
+)
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from tiny_models import FAMILIES, tiny_llm
+from training_data import tiny_setup
+
+HERE = Path(__file__).parent
+
+
+def weights(drafter) -> dict[str, np.ndarray]:
+    return {k: np.array(v) for k, v in tree_flatten(drafter.parameters())}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_greedy_answers_and_hidden_states(family):
+    model = tiny_llm(family, vocab_size=64, seed=1, window=64)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 64, size=n).tolist() for n in (3, 9, 5, 12)]
+    stop = {7}
+    for prompt, (answer, hidden) in zip(
+        prompts, greedy_with_hidden(model, prompts, 20, stop), strict=True
+    ):
+        ref = stream_autoregressive(model, prompt, max_tokens=20, stop_tokens=stop)
+        assert answer == [t for o in ref for t in o.tokens]
+        full = np.array(model.model(mx.array(prompt + answer)[None])[0])
+        expected = full[len(prompt) - 1 : len(prompt) - 1 + len(answer)]
+        np.testing.assert_allclose(hidden.astype(np.float32), expected, atol=1e-2, rtol=1e-2)
+
+
+def test_generate_dataset_is_cached_and_resumable(tmp_path, monkeypatch):
+    model = tiny_llm("qwen2", vocab_size=64, seed=2)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12]]
+    samples, hidden = generate_dataset(model, prompts, tmp_path, {0}, max_tokens=6, batch_size=2)
+    assert [s.prompt for s in samples] == prompts
+    assert all(hidden[i].shape == (len(s.answer), 32) for i, s in enumerate(samples) if s.answer)
+    # Lose the last batch, as an interrupted run would; only that batch is generated again.
+    lines = (tmp_path / "generations.jsonl").read_text().splitlines()
+    (tmp_path / "generations.jsonl").write_text("\n".join(lines[:-1]) + "\n")
+    calls = []
+    real = greedy_with_hidden
+
+    def counting(model, batch, *a):
+        calls.append(batch)
+        return real(model, batch, *a)
+
+    monkeypatch.setattr("redrafter_mlx.distill_data.greedy_with_hidden", counting)
+    again, hidden2 = generate_dataset(model, prompts, tmp_path, {0}, max_tokens=6, batch_size=2)
+    assert len(calls) == 1 and [s.answer for s in again] == [s.answer for s in samples]
+    with pytest.raises(ValueError, match="other prompts"):
+        generate_dataset(model, [[9, 9]] + prompts[1:], tmp_path, {0}, 6, 2)
+
+
+def test_loss_matches_a_per_position_reference():
+    drafter, embed, examples, cfg = tiny_setup()
+    vocab_index = draft_vocab_index(drafter.config)
+    e = examples[0]
+    T, K = len(e.tokens), cfg.horizons
+    tokens = mx.array(e.tokens[None])
+    hidden = mx.array(e.hidden[None])
+    targets = mx.array(vocab_index[e.tokens][None])
+    valid = mx.ones((1, T), mx.bool_)
+    loss, stats = drafter_loss(drafter, embed(tokens), hidden, targets, valid, K)
+    # Reference: at every position j run the RNN over x_j .. x_{j+k-1}, predict x_{j+k}.
+    per_h = [[] for _ in range(K)]
+    for j in range(T):
+        state = mx.zeros((1, 16))
+        for k in range(1, K + 1):
+            if j + k >= T:
+                break
+            state = drafter.step(state, embed(mx.array([int(e.tokens[j + k - 1])])))
+            logits = drafter.logits(mx.array(e.hidden[j : j + 1]), state)[0]
+            t = vocab_index[e.tokens[j + k]]
+            if t >= 0:
+                per_h[k - 1].append(float(mx.logsumexp(logits) - logits[t]))
+    want = sum(np.mean(h) for h in per_h)
+    assert float(loss) == pytest.approx(want, rel=1e-4)
+    assert [int(n) for _, n in stats] == [len(h) for h in per_h]
+
+
+def test_draft_vocab_choice_and_coverage():
+    _, _, examples, _ = tiny_setup()
+    vocab, coverage = choose_draft_vocab(examples, 5, vocab_size=40)
+    counts = np.bincount(np.concatenate([e.tokens for e in examples]), minlength=40)
+    assert len(vocab) == 5 and vocab == sorted(vocab)
+    assert coverage == pytest.approx(counts[vocab].sum() / counts.sum())
+    assert set(vocab) == set(np.argsort(-counts, kind="stable")[:5].tolist())
+    assert choose_draft_vocab(examples, 40, vocab_size=40) == (None, 1.0)
+
+
+def test_training_learns():
+    drafter, embed, examples, cfg = tiny_setup(steps=60)
+    before = evaluate(drafter, embed, examples, cfg.horizons, cfg.window)
+    drafter, state = train(drafter, embed, examples, cfg)
+    after = evaluate(drafter, embed, examples, cfg.horizons, cfg.window)
+    assert state.history[-1]["loss"] < 0.5 * state.history[0]["loss"]
+    assert min(after) > 0.8 and max(before) < 0.5, (before, after)
+
+
+def test_resume_continues_exactly(tmp_path):
+    drafter, embed, examples, cfg = tiny_setup(steps=6)
+    straight, _ = train(drafter, embed, examples, cfg)
+    drafter, embed, examples, cfg = tiny_setup(steps=3)
+    train(drafter, embed, examples, cfg, checkpoint_dir=tmp_path)
+    drafter, embed, examples, cfg = tiny_setup(steps=6)
+    resumed, state = train(drafter, embed, examples, cfg, checkpoint_dir=tmp_path, resume=True)
+    assert state.step == 6
+    for k, v in weights(straight).items():
+        np.testing.assert_allclose(weights(resumed)[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_accumulation_equals_one_big_batch():
+    big, _ = train(*tiny_setup(grad_accum=1))
+    acc, _ = train(*tiny_setup(grad_accum=4))
+    for k, v in weights(big).items():
+        np.testing.assert_allclose(weights(acc)[k], v, rtol=1e-4, atol=1e-5)
+
+
+def test_two_processes_match_one(tmp_path):
+    """mlx.launch -n 2 on localhost: both ranks end equal, and equal to one process."""
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    if not launcher.exists():
+        pytest.skip("mlx.launch is not installed")
+    r = subprocess.run(
+        [
+            str(launcher),
+            "-n",
+            "2",
+            "--python",
+            sys.executable,
+            str(HERE / "dist_train_worker.py"),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    ranks = [mx.load(str(tmp_path / f"rank{i}-of-2.safetensors")) for i in range(2)]
+    single, _ = train(*tiny_setup())
+    for k, v in weights(single).items():
+        assert np.array_equal(np.array(ranks[0][k]), np.array(ranks[1][k])), k
+        np.testing.assert_allclose(np.array(ranks[0][k]), v, rtol=1e-4, atol=1e-5)
