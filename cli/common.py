@@ -91,5 +91,15 @@ def resolve(model: str | None, drafter: Path | None, no_draft: bool):
     return model_dir, drafter, entry
 
 
+def defaults(model_dir, entry, beam_width, beam_length) -> tuple[int, int]:
+    """Flags first, then what `tune` stored for this machine, then the registry entry."""
+    from redrafter_mlx import settings
+
+    tuned = settings.get(model_dir, "beam") or {}
+    W = beam_width or tuned.get("width") or (entry.beam_width if entry else 4)
+    L = beam_length or tuned.get("length") or (entry.beam_length if entry else 5)
+    return W, L
+
+
 def read_prompt(prompt: str) -> str:
     return sys.stdin.read() if prompt == "-" else prompt

@@ -20,6 +20,7 @@ from .common import (
     TopPOpt,
     VerboseOpt,
     WidthOpt,
+    defaults,
     err,
     read_prompt,
     resolve,
@@ -60,8 +61,7 @@ def generate(
 
         text = read_prompt(prompt)
         model_dir, drafter_dir, entry = resolve(model, drafter, no_draft)
-        W = beam_width or (entry.beam_width if entry else 4)
-        L = beam_length or (entry.beam_length if entry else 5)
+        W, L = defaults(model_dir, entry, beam_width, beam_length)
         llm, tokenizer, draft_model = load(model_dir, drafter_dir)
         sampling = SamplingParams(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
         if seed is not None:

@@ -6,7 +6,7 @@ import redrafter_mlx  # noqa: F401  (loads OpenBLAS before anything imports mlx)
 
 import typer
 
-from . import convert, generate, models, train
+from . import bench, chat, convert, generate, models, train
 
 app = typer.Typer(
     help="ReDrafter speculative decoding for LLMs on MLX.",
@@ -14,9 +14,12 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+app.command()(chat.chat)
 app.command()(generate.generate)
 app.command()(models.fetch)
 app.command()(models.models)
+app.command()(bench.bench)
+app.command()(bench.tune)
 app.command()(train.train)
 app.add_typer(convert.app, name="convert")
 

