@@ -157,3 +157,32 @@ def test_two_processes_match_one(tmp_path):
     for k, v in weights(single).items():
         assert np.array_equal(np.array(ranks[0][k]), np.array(ranks[1][k])), k
         np.testing.assert_allclose(np.array(ranks[0][k]), v, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replayed_tokens_per_step_equal_the_engine(family):
+    """The card's offline tokens/step (drafter only) equals the real engine's, step for step."""
+    from redrafter_mlx.acceptance import replay
+    from redrafter_mlx.beam_search import make_proposer
+    from redrafter_mlx.generate import stream_redrafter
+    from redrafter_mlx.llm import TreeLLM
+
+    from tiny_models import tiny_drafter
+
+    model = tiny_llm(family, vocab_size=16, seed=4, window=64)
+    llm = TreeLLM(model)
+    drafter = tiny_drafter(32, 16, seed=5)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    total = 0
+    for prompt, (answer, hidden) in zip(
+        prompts, greedy_with_hidden(model, prompts, 30, set()), strict=True
+    ):
+        for W, L in [(1, 3), (3, 4), (4, 6)]:
+            propose = make_proposer(drafter, llm.embed, W, L)
+            outs = list(stream_redrafter(llm, propose, prompt, max_tokens=len(answer)))
+            assert [t for o in outs for t in o.tokens] == answer
+            steps, accepted = replay(drafter, llm.embed, answer, hidden.astype(np.float32), W, L)
+            assert accepted == [o.stats.accepted for o in outs[1:]]
+            assert steps == outs[-1].summary.steps
+            total += sum(accepted)
+    assert total > 0  # a 16-token vocabulary: drafts do get accepted, so the replay is tested
