@@ -23,27 +23,36 @@ from .drafter import Drafter
 def replay(
     drafter: Drafter,
     embed: Callable[[mx.array], mx.array],
-    continuation: list[int],
-    hidden: np.ndarray,
+    continuations: list[list[int]],
+    hidden: list[np.ndarray],
     width: int,
     length: int,
-) -> tuple[int, list[int]]:
-    """(steps, accepted drafts per step) to emit ``continuation`` after its first token.
+) -> list[list[int]]:
+    """Accepted drafts per step for each continuation (its first token excluded).
 
-    ``hidden[j]`` is the LLM state that produced ``continuation[j]`` (the first token comes
-    from the prompt's forward pass, as in the engine).
+    ``hidden[i][j]`` is the LLM state that produced ``continuations[i][j]`` (the first token
+    comes from the prompt's forward pass, as in the engine). All sequences advance together,
+    so each step is one batched beam search.
     """
-    T = len(continuation)
-    accepted = []
-    pos = 0  # index of the current root g0
-    while pos < T - 1:
-        beams = beam_search(
-            drafter, embed, mx.array(hidden[pos]), mx.array(continuation[pos]), width, length
-        ).tokens
-        drafts = np.array(beams)[:, 1:]  # [W, L-1]
-        future = np.array(continuation[pos + 1 : pos + length] + [-1] * length)[: length - 1]
-        match = np.cumprod(drafts == future[None, :], axis=1).sum(axis=1)
-        a = int(min(match.max(), T - 2 - pos))  # never past the end of the continuation
-        accepted.append(a)
-        pos += a + 1
-    return len(accepted), accepted
+    pos = [0] * len(continuations)  # index of each sequence's current root g0
+    accepted: list[list[int]] = [[] for _ in continuations]
+    while True:
+        active = [i for i, c in enumerate(continuations) if pos[i] < len(c) - 1]
+        if not active:
+            return accepted
+        h = mx.array(np.stack([hidden[i][pos[i]] for i in active]).astype(np.float32))
+        g0 = mx.array([continuations[i][pos[i]] for i in active])
+        drafts = np.array(beam_search(drafter, embed, h, g0, width, length).tokens)[:, :, 1:]
+        for row, i in enumerate(active):
+            c, p = continuations[i], pos[i]
+            future = np.array((c[p + 1 : p + length] + [-1] * length)[: length - 1])
+            match = np.cumprod(drafts[row] == future[None, :], axis=1).sum(axis=1)
+            a = int(min(match.max(), len(c) - 2 - p))  # never past the continuation's end
+            accepted[i].append(a)
+            pos[i] = p + a + 1
+
+
+def tokens_per_step(accepted: list[list[int]]) -> float:
+    """Mean emitted tokens per step over all sequences."""
+    steps = sum(len(a) for a in accepted)
+    return (sum(sum(a) for a in accepted) + steps) / max(steps, 1)

@@ -57,42 +57,60 @@ def beam_search(
     Args:
         drafter: the recurrent drafter.
         embed: the LLM's token embedding lookup (shared with the drafter).
-        hidden: [H], the LLM's final hidden state at the position that produced g0.
-        g0: [] int, the guaranteed token.
+        hidden: [H] (or [B, H] for B independent searches), the LLM's final hidden state at
+            the position that produced g0.
+        g0: [] (or [B]) int, the guaranteed token.
         top_k: optional top-k warp of the drafter logits before the log-softmax (Apple: 50).
+
+    Returns beams [W, L] (or [B, W, L]), best first.
     """
     if width < 1 or length < 2:
         raise ValueError(f"beam search needs width >= 1 and length >= 2, got {width}, {length}")
-    H = hidden.shape[-1]
-    dtype = drafter.dtype
-    hidden = mx.broadcast_to(hidden.reshape(1, H).astype(dtype), (width, H))
-    tokens = mx.broadcast_to(g0.reshape(1, 1).astype(mx.int32), (width, 1))
-    state = mx.zeros((width, H), dtype=dtype)
-    scores = mx.array([0.0] + [LOG_0] * (width - 1), dtype=mx.float32)
+    batched = hidden.ndim == 2
+    hidden, g0 = hidden.reshape(-1, hidden.shape[-1]), g0.reshape(-1)
+    B, H = hidden.shape
+    W, dtype = width, drafter.dtype
+    hidden = mx.broadcast_to(hidden[:, None].astype(dtype), (B, W, H))
+    tokens = mx.broadcast_to(g0.astype(mx.int32)[:, None, None], (B, W, 1))
+    state = mx.zeros((B, W, H), dtype=dtype)
+    scores = mx.broadcast_to(mx.array([0.0] + [LOG_0] * (W - 1), dtype=mx.float32), (B, W))
     log_q = None
     for _ in range(length - 1):
-        state = drafter.step(state, embed(tokens[:, -1]))
-        logits = drafter.logits(hidden, state).astype(mx.float32)  # [W, V_d]
+        state = drafter.step(state, embed(tokens[..., -1]))
+        logits = drafter.logits(hidden, state).astype(mx.float32)  # [B, W, V_d]
         if top_k is not None:
             logits = top_k_warp(logits, top_k, mask_value=LOG_0)
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         V = logp.shape[-1]
-        joint = (scores[:, None] + logp).reshape(-1)  # [W * V_d]
-        if width < joint.size:
-            best = mx.argpartition(-joint, kth=width - 1)[:width]
+        joint = (scores[..., None] + logp).reshape(B, W * V)
+        if W < W * V:
+            best = mx.argpartition(-joint, kth=W - 1, axis=-1)[:, :W]
         else:
-            best = mx.arange(joint.size)
-        best = best[mx.argsort(-joint[best])]  # best first; deterministic
-        parent, token = best // V, best % V
-        scores = joint[best]
-        tokens = mx.concatenate(
-            [tokens[parent], drafter.token_ids(token).astype(mx.int32)[:, None]], axis=1
-        )
-        state = state[parent]
+            best = mx.broadcast_to(mx.arange(W * V), (B, W * V))
+        top = mx.take_along_axis(joint, best, axis=-1)
+        order = mx.argsort(-top, axis=-1)  # best first; deterministic
+        best, scores = mx.take_along_axis(best, order, -1), mx.take_along_axis(top, order, -1)
+        parent, token = best // V, best % V  # [B, W]
+        token_ids = drafter.token_ids(token).astype(mx.int32)
+        tokens = mx.concatenate([gather_beams(tokens, parent), token_ids[..., None]], axis=-1)
+        state = gather_beams(state, parent)
         if return_log_q:
-            step_q = logp[parent][:, None]
-            log_q = step_q if log_q is None else mx.concatenate([log_q[parent], step_q], axis=1)
+            step_q = gather_beams(logp, parent)[:, :, None]
+            log_q = (
+                step_q
+                if log_q is None
+                else mx.concatenate([gather_beams(log_q, parent), step_q], axis=2)
+            )
+    if not batched:
+        tokens, scores = tokens[0], scores[0]
+        log_q = None if log_q is None else log_q[0]
     return Beams(tokens=tokens, scores=scores, log_q=log_q)
+
+
+def gather_beams(x: mx.array, parent: mx.array) -> mx.array:
+    """x[b, parent[b, w], ...] for every (b, w). x: [B, W, ...], parent: [B, W]."""
+    index = parent.reshape(*parent.shape, *([1] * (x.ndim - 2)))
+    return mx.take_along_axis(x, index, axis=1)
 
 
 def make_proposer(

@@ -29,6 +29,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .adapters import adapter_for
+from .verification import SamplingParams, node_targets
 
 CHAT_REQUEST = "Write the Python function below. Reply with code only.\n\n```python\n{}\n```"
 
@@ -109,13 +110,19 @@ def read_jsonl_prompts(path: str | Path, tokenizer) -> list[list[int]]:
 
 
 def greedy_with_hidden(
-    model: nn.Module, prompts: list[list[int]], max_tokens: int, stop_tokens: set[int]
+    model: nn.Module,
+    prompts: list[list[int]],
+    max_tokens: int,
+    stop_tokens: set[int],
+    sampling: SamplingParams | None = None,
 ) -> list[tuple[list[int], np.ndarray]]:
-    """Batched greedy answers and, for each answer token, the hidden state that produced it.
+    """Batched answers (greedy, or sampled as mlx-lm samples) and, for each answer token,
+    the hidden state that produced it.
 
     Prompts are left-padded into mlx-lm's BatchKVCache; finished rows leave the batch.
     Returns (answer, hidden [len(answer), H] float16) per prompt, stop token excluded.
     """
+    sampling = sampling or SamplingParams()
     from mlx_lm.models.cache import BatchKVCache
 
     adapter = adapter_for(model)
@@ -128,7 +135,7 @@ def greedy_with_hidden(
     hiddens: list[list[np.ndarray]] = [[] for _ in prompts]
     alive = list(range(len(prompts)))
     for _ in range(max_tokens):
-        tok = mx.argmax(adapter.lm_head(model, h), axis=-1)
+        tok = node_targets(adapter.lm_head(model, h), sampling)
         h16 = h.astype(mx.float16)
         mx.eval(tok, h16)
         tokens, states = tok.tolist(), np.array(h16)

@@ -183,3 +183,17 @@ def test_top_k_warp():
     assert np.isinf(np.array(y)[0, [0, 2, 4]]).all()
     assert np.array(y)[0, 1] == pytest.approx(3.0)
     assert mx.array_equal(top_k_warp(x, 10), x)
+
+
+def test_batched_beam_search_equals_one_by_one():
+    drafter = tiny_drafter(8, 30, draft_vocab=list(range(0, 30, 2)))
+    table = mx.random.normal((30, 8))
+    hidden = mx.random.normal((5, 8))
+    g0 = mx.array([1, 2, 3, 4, 5])
+    out = beam_search(drafter, lambda t: table[t], hidden, g0, 3, 4, return_log_q=True)
+    assert out.tokens.shape == (5, 3, 4) and out.log_q.shape == (5, 3, 3, 15)
+    for b in range(5):
+        one = beam_search(drafter, lambda t: table[t], hidden[b], g0[b], 3, 4, return_log_q=True)
+        assert mx.array_equal(out.tokens[b], one.tokens)
+        assert mx.allclose(out.scores[b], one.scores, atol=1e-5)
+        assert mx.allclose(out.log_q[b], one.log_q, atol=1e-5)
