@@ -25,6 +25,9 @@ def train(
     max_new_tokens: Annotated[int, opt("--max-new-tokens", "Answer length cap.")] = 160,
     gen_batch: Annotated[int, opt("--gen-batch", "Prompts answered per batch.")] = 16,
     draft_vocab: Annotated[int, opt("--draft-vocab", "Draft vocabulary size (0: full).")] = 16384,
+    final_vocab: Annotated[
+        int, opt("--final-vocab", "Shrink the trained draft vocab to N tokens (0: keep).")
+    ] = 0,
     horizons: Annotated[int, opt("--horizons", "Tokens predicted per position (K).")] = 5,
     window: Annotated[int, opt("--window", "Positions per training row.")] = 128,
     batch_rows: Annotated[int, opt("--batch-rows", "Rows per optimizer step.")] = 16,
@@ -33,6 +36,7 @@ def train(
     lr: Annotated[float, opt("--lr", "Peak learning rate (AdamW).")] = 1e-3,
     warmup: Annotated[int, opt("--warmup", "Linear warmup steps before cosine decay.")] = 50,
     kl_weight: Annotated[float, opt("--kl-weight", "KL to the LLM's next token (0: off).")] = 0.0,
+    grad_clip: Annotated[float, opt("--grad-clip", "Max gradient norm (0: off).")] = 1.0,
     num_draft_layers: Annotated[int, opt("--num-draft-layers", "ResNet blocks in the head.")] = 2,
     no_rnn: Annotated[bool, opt("--no-rnn", "Additive state instead of the RNN.")] = False,
     seed: Annotated[int, opt("--seed", "Seed for prompts, init and shuffling.")] = 0,
@@ -60,6 +64,7 @@ def train(
             lr=lr,
             warmup=min(warmup, max_steps),
             kl_weight=kl_weight,
+            grad_clip=grad_clip or None,
             num_draft_layers=num_draft_layers,
             rnn=not no_rnn,
             seed=seed,
@@ -71,6 +76,7 @@ def train(
             max_new_tokens=max_new_tokens,
             gen_batch=gen_batch,
             draft_vocab=draft_vocab or None,
+            final_vocab=final_vocab or None,
             prompts_file=str(prompts) if prompts else None,
             dtype=dtype,
             train=cfg,
@@ -92,7 +98,10 @@ def train(
 
             def on_train(state, log) -> None:
                 acc = " ".join(f"{a:.2f}" for a in log["acc"])
-                info = f"loss {log['loss']:.3f} acc@1..{len(log['acc'])} {acc}"
+                info = (
+                    f"loss {log['loss']:.3f} acc@1..{len(log['acc'])} {acc} "
+                    f"|g| {log['grad_norm']:.2f}"
+                )
                 bar.update(train_task, completed=state.step, info=info, visible=True)
                 if not err.is_terminal:
                     err.print(f"step {state.step}: {info}, {log['tokens_per_s']:.0f} tokens/s")

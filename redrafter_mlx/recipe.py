@@ -28,7 +28,15 @@ from .benchmark import consume
 from .generate import stream_redrafter
 from .llm import TreeLLM
 from .loading import load, model_dims
-from .training import Example, TrainConfig, choose_draft_vocab, evaluate, new_drafter, train
+from .training import (
+    Example,
+    TrainConfig,
+    choose_draft_vocab,
+    evaluate,
+    new_drafter,
+    shrink_draft_vocab,
+    train,
+)
 
 Log = Callable[[str], None]
 
@@ -40,6 +48,7 @@ class Recipe:
     max_new_tokens: int = 160
     gen_batch: int = 16
     draft_vocab: int | None = 16384  # None: the full vocabulary
+    final_vocab: int | None = None  # shrink the trained draft vocab to this size before saving
     prompts_file: str | None = None  # a JSONL of prompts/texts instead of the stdlib corpus
     dtype: str = "float16"  # of the saved drafter
     eval_width: int = 4
@@ -140,6 +149,15 @@ def run(
     train_s = time.perf_counter() - tic
     if mx.distributed.init().rank() != 0:
         return {}
+    if recipe.final_vocab is not None and recipe.final_vocab < drafter.config.output_size:
+        drafter = shrink_draft_vocab(drafter, train_ex, recipe.final_vocab)
+        vocab = drafter.config.draft_vocab
+        coverage = float(np.isin(np.concatenate([e.tokens for e in train_ex]), vocab).mean())
+        eval_cover = float(np.isin(eval_tokens, vocab).mean())
+        log(
+            f"draft vocab shrunk to {len(vocab)} tokens: covering {coverage:.1%} of training "
+            f"and {eval_cover:.1%} of held-out answer tokens"
+        )
     accuracy = evaluate(drafter, llm.embed, eval_ex, cfg.horizons, cfg.window)
     eval_prompts = [samples[i].prompt for i in eval_ids][:8]
     tps = tokens_per_step(

@@ -38,6 +38,7 @@ class TrainConfig:
     lr: float = 1e-3
     warmup: int = 50
     weight_decay: float = 0.0
+    grad_clip: float | None = 1.0  # max global gradient norm (None: no clipping)
     kl_weight: float = 0.0
     num_draft_layers: int = 2
     rnn: bool = True
@@ -66,6 +67,23 @@ def choose_draft_vocab(
         return None, 1.0
     top = np.argsort(-counts, kind="stable")[:size]
     return sorted(int(t) for t in top), float(counts[top].sum() / counts.sum())
+
+
+def shrink_draft_vocab(drafter: Drafter, examples: list[Example], size: int) -> Drafter:
+    """Keep the output rows of the ``size`` most frequent answer tokens (a smaller, faster
+    head; the rows dropped are the rarest tokens, which the drafter almost never predicts)."""
+    cfg = drafter.config
+    current = np.array(cfg.draft_vocab if cfg.draft_vocab is not None else range(cfg.vocab_size))
+    counts = np.bincount(np.concatenate([e.tokens for e in examples]), minlength=cfg.vocab_size)
+    rows = np.sort(np.argsort(-counts[current], kind="stable")[:size])  # rows of the old head
+    config = DrafterConfig(**{**cfg.__dict__, "draft_vocab": current[rows].tolist()})
+    small = Drafter(config)
+    weights = dict(tree_flatten(drafter.parameters()))
+    head = f"lm_head.{cfg.num_draft_layers}.weight"
+    weights[head] = weights[head][mx.array(rows)]
+    small.load_weights(list(weights.items()))
+    mx.eval(small.parameters())
+    return small
 
 
 def draft_vocab_index(config: DrafterConfig) -> np.ndarray:
@@ -291,6 +309,10 @@ def train(
         if world > 1:  # each rank's loss was normalised by the global count: sum, not average
             grads = tree_map(lambda g: mx.distributed.all_sum(g, group=group), grads)
             totals = mx.distributed.all_sum(totals, group=group)
+        if cfg.grad_clip is not None:
+            grads, grad_norm = optim.clip_grad_norm(grads, cfg.grad_clip)
+        else:
+            grad_norm = mx.sqrt(sum((g * g).sum() for _, g in tree_flatten(grads)))
         totals = np.array(totals)
         state.tokens_seen += int(totals[1 + cfg.horizons])  # horizon-1 targets of the step
         opt.update(drafter, grads)
@@ -306,6 +328,7 @@ def train(
                 .round(4)
                 .tolist(),
                 "lr": float(opt.learning_rate.item()),
+                "grad_norm": float(grad_norm.item()),
                 "tokens_per_s": state.tokens_seen / max(state.seconds, 1e-9),
             }
             state.history.append(log)

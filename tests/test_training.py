@@ -186,3 +186,19 @@ def test_replayed_tokens_per_step_equal_the_engine(family):
             assert len(accepted) == outs[-1].summary.steps
             total += sum(accepted)
     assert total > 0  # a 16-token vocabulary: drafts do get accepted, so the replay is tested
+
+
+def test_shrinking_the_draft_vocab_keeps_the_frequent_rows():
+    from redrafter_mlx.training import shrink_draft_vocab
+
+    drafter, embed, examples, cfg = tiny_setup()
+    small = shrink_draft_vocab(drafter, examples, 6)
+    counts = np.bincount(np.concatenate([e.tokens for e in examples]), minlength=40)
+    old = drafter.config.draft_vocab
+    expected = sorted(sorted(old, key=lambda t: (-counts[t], old.index(t)))[:6])
+    assert small.config.draft_vocab == expected
+    rows = [old.index(t) for t in expected]
+    head_old, head_new = drafter.lm_head[-1].weight, small.lm_head[-1].weight
+    assert mx.array_equal(head_new, head_old[mx.array(rows)])
+    h, s = mx.random.normal((2, 16)), mx.random.normal((2, 16))
+    assert mx.allclose(small.logits(h, s), drafter.logits(h, s)[:, mx.array(rows)], atol=1e-5)
