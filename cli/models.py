@@ -40,7 +40,7 @@ def models(verbose: VerboseOpt = False) -> None:
     with user_errors(verbose):
         table = Table(title="redrafter models")
         for col in ("name", "family", "LLM", "drafter", "W x L", "description"):
-            table.add_column(col)
+            table.add_column(col, no_wrap=col == "name")  # names are typed back: never wrap
         for e in registry.entries().values():
             table.add_row(
                 e.name + (" (default)" if e.default else ""),
