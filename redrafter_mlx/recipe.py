@@ -41,6 +41,28 @@ from .training import (
 Log = Callable[[str], None]
 
 
+def vocab_coverage(
+    vocab: list[int] | None,
+    train_ex: list[Example],
+    eval_ex: list[Example],
+    vocab_size: int,
+    label: str,
+    log: Log,
+) -> tuple[float, float]:
+    """Shares of training and held-out answer tokens inside ``vocab`` (None: all), logged."""
+
+    def share(examples: list[Example]) -> float:
+        tokens = np.concatenate([e.tokens for e in examples])
+        return 1.0 if vocab is None else float(np.isin(tokens, vocab).mean())
+
+    train_cover, eval_cover = share(train_ex), share(eval_ex)
+    log(
+        f"{label}: {len(vocab) if vocab else vocab_size} tokens, covering {train_cover:.1%} "
+        f"of training and {eval_cover:.1%} of held-out answer tokens"
+    )
+    return train_cover, eval_cover
+
+
 @dataclass
 class Recipe:
     num_prompts: int = 1200
@@ -125,13 +147,8 @@ def run(
     eval_ids = range(len(samples) - n_eval, len(samples))  # the last prompts are held out
     train_ex = [e for i, e in examples.items() if i not in eval_ids]
     eval_ex = [examples[i] for i in eval_ids if i in examples]
-    vocab, coverage = choose_draft_vocab(train_ex, recipe.draft_vocab, vocab_size)
-    eval_tokens = np.concatenate([e.tokens for e in eval_ex])
-    eval_cover = float(np.isin(eval_tokens, vocab).mean()) if vocab is not None else 1.0
-    log(
-        f"draft vocab: {len(vocab) if vocab else vocab_size} tokens, covering "
-        f"{coverage:.1%} of training and {eval_cover:.1%} of held-out answer tokens"
-    )
+    vocab, _ = choose_draft_vocab(train_ex, recipe.draft_vocab, vocab_size)
+    coverage, eval_cover = vocab_coverage(vocab, train_ex, eval_ex, vocab_size, "draft vocab", log)
 
     llm = TreeLLM(model)
     cfg = recipe.train
@@ -152,11 +169,8 @@ def run(
     if recipe.final_vocab is not None and recipe.final_vocab < drafter.config.output_size:
         drafter = shrink_draft_vocab(drafter, train_ex, recipe.final_vocab)
         vocab = drafter.config.draft_vocab
-        coverage = float(np.isin(np.concatenate([e.tokens for e in train_ex]), vocab).mean())
-        eval_cover = float(np.isin(eval_tokens, vocab).mean())
-        log(
-            f"draft vocab shrunk to {len(vocab)} tokens: covering {coverage:.1%} of training "
-            f"and {eval_cover:.1%} of held-out answer tokens"
+        coverage, eval_cover = vocab_coverage(
+            vocab, train_ex, eval_ex, vocab_size, "draft vocab (shrunk)", log
         )
     accuracy = evaluate(drafter, llm.embed, eval_ex, cfg.horizons, cfg.window)
     eval_prompts = [samples[i].prompt for i in eval_ids][:8]

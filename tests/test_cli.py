@@ -203,6 +203,16 @@ def test_train_smoke_run_then_generate(tiny_llm_dir, tmp_path):
     spec = invoke("generate", *common, "--drafter", out)
     assert spec.exit_code == 0, spec.output
     assert json.loads(spec.output)["token_ids"] == plain["token_ids"]
+    # --final-vocab: the trained head shrunk to its 32 most frequent tokens, still lossless.
+    small = tmp_path / "small"
+    shrunk = tuple(small if a == out else a for a in args)
+    r = invoke(*shrunk, "--max-steps", "5", "--resume", "--final-vocab", "32")
+    assert r.exit_code == 0, r.output
+    assert len(json.loads((small / "config.json").read_text())["draft_vocab"]) == 32
+    assert json.loads((small / "report.json").read_text())["draft_vocab_size"] == 32
+    spec = invoke("generate", *common, "--drafter", small)
+    assert spec.exit_code == 0, spec.output
+    assert json.loads(spec.output)["token_ids"] == plain["token_ids"]
 
 
 @pytest.fixture(scope="module")
