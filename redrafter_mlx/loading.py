@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from .adapters import adapter_for
@@ -18,6 +19,12 @@ def model_dims(model: nn.Module) -> tuple[int, int]:
         hidden = embed.dims
         vocab = embed.num_embeddings
     return int(hidden), int(vocab)
+
+
+def compute_dtype(model: nn.Module) -> mx.Dtype:
+    """The LLM's activation dtype: its embedding table's (scales' when quantized)."""
+    embed = adapter_for(model).embed_tokens(model)
+    return embed.scales.dtype if hasattr(embed, "scales") else embed.weight.dtype
 
 
 def check_compatible(drafter: Drafter, model: nn.Module, where: str = "drafter") -> None:
@@ -37,7 +44,12 @@ def check_compatible(drafter: Drafter, model: nn.Module, where: str = "drafter")
 
 
 def load(model_path: str | Path, drafter_path: str | Path | None = None):
-    """Load ``(model, tokenizer, drafter)``; drafter is None when no path is given."""
+    """Load ``(model, tokenizer, drafter)``; drafter is None when no path is given.
+
+    The drafter computes in the LLM's dtype: drafters ship in float16 to stay small, but on
+    the CPU backend float16 matmuls are several times slower than float32, so a float16
+    drafter beside a float32 LLM is upcast here. Outputs do not change (the LLM verifies).
+    """
     from mlx_lm import load as mlx_lm_load
 
     path = Path(model_path)
@@ -51,4 +63,7 @@ def load(model_path: str | Path, drafter_path: str | Path | None = None):
     if drafter_path is not None:
         drafter = Drafter.from_pretrained(drafter_path)
         check_compatible(drafter, model, where=str(drafter_path))
+        dtype = compute_dtype(model)
+        if drafter.dtype != dtype:
+            drafter.set_dtype(dtype)
     return model, tokenizer, drafter

@@ -348,3 +348,22 @@ def test_chat_reuses_the_cache_and_matches_plain_decoding(tiny_llm_dir, random_d
         if turn != "the cat":
             assert spec.last.prompt_tokens < len(spec.prompt_ids())  # only the new part fed
     assert spec.messages == plain.messages
+
+
+def test_float16_drafter_computes_in_the_llms_dtype(tiny_llm_dir, tmp_path):
+    """Shipped drafters are float16; beside a float32 LLM they are upcast on load (float16
+    matmuls are several times slower on the CPU backend), with the same weights."""
+    from redrafter_mlx.drafter import Drafter
+    from redrafter_mlx.loading import load
+
+    folder = tmp_path / "fp16"
+    small = tiny_drafter(HIDDEN, VOCAB, seed=5)
+    small.set_dtype(mx.float16)
+    small.save_pretrained(folder)
+    model, _, drafter = load(tiny_llm_dir, folder)
+    assert model.model.embed_tokens.weight.dtype == mx.float32
+    assert drafter.dtype == mx.float32
+    stored = dict(tree_flatten(Drafter.from_pretrained(folder).parameters()))
+    for name, w in tree_flatten(drafter.parameters()):
+        assert w.dtype == mx.float32
+        assert mx.array_equal(w, stored[name].astype(mx.float32)), name
