@@ -39,6 +39,9 @@ def train(
     grad_clip: Annotated[float, opt("--grad-clip", "Max gradient norm (0: off).")] = 1.0,
     num_draft_layers: Annotated[int, opt("--num-draft-layers", "ResNet blocks in the head.")] = 2,
     no_rnn: Annotated[bool, opt("--no-rnn", "Additive state instead of the RNN.")] = False,
+    head_init: Annotated[
+        str, opt("--head-init", "random, or llm: start from the LLM's output layer.")
+    ] = "random",
     seed: Annotated[int, opt("--seed", "Seed for prompts, init and shuffling.")] = 0,
     checkpoint_every: Annotated[int, opt("--checkpoint-every", "Steps between checkpoints.")] = 200,
     resume: Annotated[bool, opt("--resume", "Continue from the last checkpoint.")] = False,
@@ -67,6 +70,7 @@ def train(
             grad_clip=grad_clip or None,
             num_draft_layers=num_draft_layers,
             rnn=not no_rnn,
+            head_init=head_init,
             seed=seed,
             checkpoint_every=checkpoint_every,
         )

@@ -23,6 +23,7 @@ import numpy as np
 
 from . import distill_data as data
 from . import paths
+from .adapters import adapter_for
 from .beam_search import make_proposer
 from .benchmark import consume
 from .generate import stream_redrafter
@@ -33,6 +34,7 @@ from .training import (
     TrainConfig,
     choose_draft_vocab,
     evaluate,
+    init_head_from_llm,
     new_drafter,
     shrink_draft_vocab,
     train,
@@ -153,6 +155,16 @@ def run(
     llm = TreeLLM(model)
     cfg = recipe.train
     drafter = new_drafter(cfg, hidden_size, vocab_size, vocab)
+    llm_rows = None  # the LLM's output rows of the draft vocab, for the KL term and the init
+    if cfg.kl_weight > 0 or cfg.head_init == "llm":
+        llm_rows = adapter_for(model).output_embeddings(model)
+        if vocab is not None:
+            llm_rows = llm_rows[mx.array(vocab)]
+        llm_rows = llm_rows.astype(mx.float32)
+    if cfg.head_init == "llm":
+        init_head_from_llm(drafter, llm_rows)
+    elif cfg.head_init != "random":
+        raise ValueError(f"head_init must be 'random' or 'llm', got {cfg.head_init!r}")
     tic = time.perf_counter()
     drafter, state = train(
         drafter,
@@ -161,6 +173,7 @@ def run(
         cfg,
         checkpoint_dir=work / "checkpoint",
         resume=resume,
+        llm_head=llm_rows if cfg.kl_weight > 0 else None,
         on_log=on_train_log,
     )
     train_s = time.perf_counter() - tic

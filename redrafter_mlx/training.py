@@ -42,6 +42,7 @@ class TrainConfig:
     kl_weight: float = 0.0
     num_draft_layers: int = 2
     rnn: bool = True
+    head_init: str = "random"  # "llm": start from the LLM's output layer (Medusa's init)
     seed: int = 0
     checkpoint_every: int = 200
     log_every: int = 10
@@ -231,6 +232,29 @@ def new_drafter(cfg: TrainConfig, hidden: int, vocab: int, draft_vocab: list[int
     drafter = Drafter(config)
     mx.eval(drafter.parameters())
     return drafter
+
+
+def init_head_from_llm(drafter: Drafter, llm_rows: mx.array) -> None:
+    """Start the drafter where the LLM is: output rows acting on ``h`` copied from the LLM's
+    output layer (``llm_rows`` [V_d, H], in draft-vocab order), the residual blocks zeroed
+    (identity) and the rows acting on the RNN state zeroed. The initial draft is then the
+    LLM's own next-token guess, the init Medusa uses for its heads; training learns the shift.
+    """
+    cfg = drafter.config
+    if "input_proj" in drafter:
+        raise ValueError("head_init='llm' needs exit_dim == 2 * hidden_size (no input_proj)")
+    if llm_rows.shape != (cfg.output_size, cfg.hidden_size):
+        raise ValueError(
+            f"head_init='llm': expected LLM rows of shape {(cfg.output_size, cfg.hidden_size)}, "
+            f"got {tuple(llm_rows.shape)}"
+        )
+    for block in drafter.lm_head[:-1]:
+        block.linear.weight = mx.zeros_like(block.linear.weight)
+        block.linear.bias = mx.zeros_like(block.linear.bias)
+    head = drafter.lm_head[-1]
+    zeros = mx.zeros((cfg.output_size, cfg.hidden_size), dtype=head.weight.dtype)
+    head.weight = mx.concatenate([llm_rows.astype(head.weight.dtype), zeros], axis=1)
+    mx.eval(drafter.parameters())
 
 
 def save_checkpoint(folder: Path, drafter: Drafter, opt: optim.Optimizer, state: TrainState):

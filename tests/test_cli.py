@@ -156,10 +156,8 @@ def test_convert_llm_from_hf_folder_quantized(tiny_llm_dir, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp left
 
 
-def test_train_smoke_run_then_generate(tiny_llm_dir, tmp_path):
-    """`redrafter train` end to end on a tiny model: data, vocab, steps, resume, eval."""
-    out, work = tmp_path / "drafter", tmp_path / "work"
-    args = (
+def train_args(tiny_llm_dir: Path, out: Path, work: Path) -> tuple:
+    return (
         "train",
         "--model",
         tiny_llm_dir,
@@ -186,6 +184,12 @@ def test_train_smoke_run_then_generate(tiny_llm_dir, tmp_path):
         "--dtype",
         "float32",
     )
+
+
+def test_train_smoke_run_then_generate(tiny_llm_dir, tmp_path):
+    """`redrafter train` end to end on a tiny model: data, vocab, steps, resume, eval."""
+    out, work = tmp_path / "drafter", tmp_path / "work"
+    args = train_args(tiny_llm_dir, out, work)
     r = invoke(*args, "--max-steps", "3")
     assert r.exit_code == 0, r.output
     report = json.loads((out / "report.json").read_text())
@@ -220,6 +224,31 @@ def random_drafter_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("drafter") / "random"
     tiny_drafter(HIDDEN, VOCAB, seed=3).save_pretrained(folder)
     return folder
+
+
+def test_train_kl_term_and_llm_head_init_reach_the_trainer(tiny_llm_dir, tmp_path, monkeypatch):
+    """--kl-weight hands the LLM's draft-vocab output rows to the trainer (the KL term is
+    computed, not silently skipped) and --head-init llm starts from those rows."""
+    from redrafter_mlx import recipe
+
+    seen = {}
+    real = recipe.train
+
+    def spy(drafter, *a, **kw):
+        seen["head"] = np.array(drafter.lm_head[-1].weight)
+        seen["llm_head"] = kw.get("llm_head")
+        return real(drafter, *a, **kw)
+
+    monkeypatch.setattr(recipe, "train", spy)
+    args = train_args(tiny_llm_dir, tmp_path / "d", tmp_path / "w")
+    r = invoke(*args, "--max-steps", "1", "--kl-weight", "0.5", "--head-init", "llm")
+    assert r.exit_code == 0, r.output
+    rows = np.array(seen["llm_head"])
+    assert rows.shape == (64, HIDDEN)
+    np.testing.assert_array_equal(seen["head"][:, :HIDDEN], rows)
+    assert not seen["head"][:, HIDDEN:].any()
+    r = invoke(*args, "--max-steps", "1", "--head-init", "medusa")
+    assert r.exit_code != 0 and "head_init must be" in r.output
 
 
 def test_bench_grid_table_json_and_heat_map(tiny_llm_dir, random_drafter_dir, tmp_path):

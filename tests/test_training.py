@@ -7,10 +7,12 @@ from pathlib import Path
 from redrafter_mlx.distill_data import generate_dataset, greedy_with_hidden
 from redrafter_mlx.generate import stream_autoregressive
 from redrafter_mlx.training import (
+    TrainConfig,
     choose_draft_vocab,
     draft_vocab_index,
     drafter_loss,
     evaluate,
+    new_drafter,
     train,
 )
 
@@ -202,3 +204,24 @@ def test_shrinking_the_draft_vocab_keeps_the_frequent_rows():
     assert mx.array_equal(head_new, head_old[mx.array(rows)])
     h, s = mx.random.normal((2, 16)), mx.random.normal((2, 16))
     assert mx.allclose(small.logits(h, s), drafter.logits(h, s)[:, mx.array(rows)], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_llm_head_init_starts_at_the_llms_own_guess(family):
+    """head_init='llm': before training, the draft logits are the LLM's next-token logits
+    over the draft vocabulary, whatever the RNN state."""
+    from redrafter_mlx.adapters import adapter_for
+    from redrafter_mlx.training import init_head_from_llm
+
+    model = tiny_llm(family)
+    adapter = adapter_for(model)
+    V, H = adapter.output_embeddings(model).shape
+    vocab = list(range(1, V, 3))
+    drafter = new_drafter(TrainConfig(), H, V, vocab)
+    init_head_from_llm(drafter, adapter.output_embeddings(model)[mx.array(vocab)])
+    h = mx.random.normal((3, H))
+    state = drafter.step(mx.random.normal((3, H)), mx.random.normal((3, H)))
+    want = adapter.lm_head(model, h)[:, mx.array(vocab)]
+    np.testing.assert_allclose(np.array(drafter.logits(h, state)), np.array(want), atol=1e-4)
+    with pytest.raises(ValueError, match="expected LLM rows"):
+        init_head_from_llm(drafter, adapter.output_embeddings(model))

@@ -33,6 +33,20 @@ class FamilyAdapter:
         """[B, N] token ids -> [B, N, H] hidden states after the final norm."""
         return model.model(inputs, cache=cache)
 
+    def output_embeddings(self, model: nn.Module) -> mx.array:
+        """[V, H] rows of the output layer (dequantized), for training targets and init."""
+        layer = model.lm_head if "lm_head" in model else model.model.embed_tokens
+        if hasattr(layer, "scales"):
+            return mx.dequantize(
+                layer.weight,
+                layer.scales,
+                layer.get("biases"),
+                layer.group_size,
+                layer.bits,
+                mode=getattr(layer, "mode", "affine"),
+            )
+        return layer.weight
+
     def lm_head(self, model: nn.Module, hidden: mx.array) -> mx.array:
         """[..., H] hidden states -> [..., V] logits, exactly as ``model.__call__`` does."""
         if "lm_head" in model:
