@@ -175,23 +175,28 @@ def generate_dataset(
     """Answer every prompt (greedy) and keep the answers' hidden states, batch by batch.
 
     Batches take prompts of similar length (less padding). Each finished batch is written as
-    one ``hidden-NNNNN.safetensors`` shard and its lines in ``generations.jsonl``, so an
-    interrupted run resumes with the next batch. Returns samples and hidden states by index.
+    one new ``hidden-NNNNN.safetensors`` shard (keys: prompt indices) and then its lines in
+    ``generations.jsonl`` (each naming its shard), so an interrupted run resumes with the
+    prompts still unanswered, whatever ``batch_size`` the new run uses: existing shards are
+    never overwritten, and the first answer of a prompt is the one kept.
+    Returns samples and hidden states by index.
     """
     folder.mkdir(parents=True, exist_ok=True)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
     jsonl = folder / "generations.jsonl"
     rows = [json.loads(x) for x in jsonl.read_text().splitlines()] if jsonl.exists() else []
-    done = {r["index"]: r for r in rows}
+    done: dict[int, dict] = {}
+    for r in rows:
+        done.setdefault(r["index"], r)
     for r in done.values():
-        if r["prompt"] != prompts[r["index"]]:
+        if r["index"] >= len(prompts) or r["prompt"] != prompts[r["index"]]:
             raise ValueError(f"{jsonl}: cached answers belong to other prompts; use a new folder")
+    shards = sorted(folder.glob("hidden-*.safetensors"))
+    next_shard = max((int(p.stem.split("-")[1]) for p in shards), default=-1) + 1
+    todo = sorted((i for i in range(len(prompts)) if i not in done), key=lambda i: len(prompts[i]))
+    batches = [todo[s : s + batch_size] for s in range(0, len(todo), batch_size)]
     with jsonl.open("a") as f:
         for n, batch in enumerate(batches):
-            shard = folder / f"hidden-{n:05d}.safetensors"
-            if shard.exists() and all(i in done for i in batch):
-                continue
+            shard = folder / f"hidden-{next_shard + n:05d}.safetensors"
             results = greedy_with_hidden(
                 model, [prompts[i] for i in batch], max_tokens, stop_tokens
             )
@@ -202,14 +207,18 @@ def generate_dataset(
             mx.save_safetensors(str(tmp), arrays)
             tmp.rename(shard)
             for i, (answer, _) in zip(batch, results, strict=True):
-                done[i] = {"index": i, "prompt": prompts[i], "answer": answer}
+                done[i] = {"index": i, "prompt": prompts[i], "answer": answer, "shard": shard.name}
                 f.write(json.dumps(done[i]) + "\n")
             f.flush()
             if progress:
-                progress(sum(len(b) for b in batches[: n + 1]), len(prompts))
+                progress(len(prompts) - len(todo) + sum(map(len, batches[: n + 1])), len(prompts))
     hidden: dict[int, np.ndarray] = {}
-    for n in range(len(batches)):
-        for key, value in mx.load(str(folder / f"hidden-{n:05d}.safetensors")).items():
-            hidden[int(key)] = np.array(value)
+    for path in sorted(folder.glob("hidden-*.safetensors")):
+        for key, value in mx.load(str(path)).items():
+            i = int(key)
+            # A row names its shard; rows written before shards were named take the first.
+            wanted = done.get(i, {}).get("shard", path.name if i not in hidden else None)
+            if wanted == path.name:
+                hidden[i] = np.array(value)
     samples = [Sample(prompts[i], done[i]["answer"]) for i in range(len(prompts))]
     return samples, hidden

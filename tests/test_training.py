@@ -69,6 +69,41 @@ def test_generate_dataset_is_cached_and_resumable(tmp_path, monkeypatch):
         generate_dataset(model, [[9, 9]] + prompts[1:], tmp_path, {0}, 6, 2)
 
 
+def test_generate_dataset_cache_does_not_depend_on_the_batch_size(tmp_path, monkeypatch):
+    """A cached folder reused with another --gen-batch regenerates nothing and mixes nothing
+    (shards were once named by batch number, so a new batch size re-answered prompts)."""
+    model = tiny_llm("qwen2", vocab_size=64, seed=2)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12], [13, 14, 15]]
+    samples, hidden = generate_dataset(model, prompts, tmp_path, {0}, max_tokens=6, batch_size=4)
+    calls = []
+    real = greedy_with_hidden
+
+    def counting(model, batch, *a):
+        calls.append(batch)
+        return real(model, batch, *a)
+
+    monkeypatch.setattr("redrafter_mlx.distill_data.greedy_with_hidden", counting)
+    again, hidden2 = generate_dataset(model, prompts, tmp_path, {0}, max_tokens=6, batch_size=2)
+    assert calls == []
+    assert [s.answer for s in again] == [s.answer for s in samples]
+    assert (
+        all(np.array_equal(hidden[i], hidden2[i]) for i in hidden)
+        and hidden.keys() == hidden2.keys()
+    )
+    # Interrupted after three answers: the rest come in new shards, old shards stay as they were.
+    lines = (tmp_path / "generations.jsonl").read_text().splitlines()
+    (tmp_path / "generations.jsonl").write_text("\n".join(lines[:3]) + "\n")
+    shards = {p.name: p.read_bytes() for p in tmp_path.glob("hidden-*.safetensors")}
+    third, hidden3 = generate_dataset(model, prompts, tmp_path, {0}, max_tokens=6, batch_size=2)
+    assert sum(map(len, calls)) == 3 and len(calls) == 2
+    assert all(tmp_path.joinpath(n).read_bytes() == b for n, b in shards.items())
+    assert len(list(tmp_path.glob("hidden-*.safetensors"))) == len(shards) + 2
+    assert [s.answer for s in third] == [s.answer for s in samples]
+    for i, s in enumerate(third):
+        assert hidden3[i].shape == (len(s.answer), 32)
+        np.testing.assert_allclose(hidden3[i], hidden[i], atol=1e-3)
+
+
 def test_loss_matches_a_per_position_reference():
     drafter, embed, examples, cfg = tiny_setup()
     vocab_index = draft_vocab_index(drafter.config)
