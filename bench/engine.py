@@ -45,7 +45,11 @@ def main() -> None:
         default=32768,
         help="random drafter: predict over the first N token ids (0: full vocab)",
     )
-    ap.add_argument("--modes", default="ar,drafter,oracle")
+    ap.add_argument(
+        "--modes",
+        default="ar,drafter,oracle",
+        help="of ar, drafter, eager (drafter without mx.compile), oracle",
+    )
     ap.add_argument("--profile", action="store_true", help="time draft/verify (adds syncs)")
     ap.add_argument("--out", default="bench/results/engine.json")
     args = ap.parse_args()
@@ -74,10 +78,16 @@ def main() -> None:
         return run()
 
     propose = make_proposer(drafter, llm.embed, W, L)
+    propose_eager = make_proposer(drafter, llm.embed, W, L, compiled=False)
 
     def with_drafter(ids):
         return stream_redrafter(
             llm, propose, ids, max_tokens=n, stop_tokens=stop, profile=args.profile
+        )
+
+    def eager(ids):  # the same drafter, beam search not mx.compile'd
+        return stream_redrafter(
+            llm, propose_eager, ids, max_tokens=n, stop_tokens=stop, profile=args.profile
         )
 
     def oracle(ids):
@@ -89,7 +99,7 @@ def main() -> None:
             llm, prop, ids, max_tokens=n, stop_tokens=stop, profile=args.profile
         )
 
-    runners = {"ar": ar, "drafter": with_drafter, "oracle": oracle}
+    runners = {"ar": ar, "drafter": with_drafter, "eager": eager, "oracle": oracle}
     modes = args.modes.split(",")
     if "ar" not in modes:
         raise SystemExit("--modes must include ar (the baseline)")

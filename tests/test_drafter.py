@@ -2,7 +2,7 @@
 
 import json
 
-from redrafter_mlx.beam_search import beam_search, top_k_warp
+from redrafter_mlx.beam_search import beam_search, make_proposer, top_k_warp
 from redrafter_mlx.drafter import Drafter, DrafterConfig
 
 import mlx.core as mx
@@ -197,3 +197,33 @@ def test_batched_beam_search_equals_one_by_one():
         assert mx.array_equal(out.tokens[b], one.tokens)
         assert mx.allclose(out.scores[b], one.scores, atol=1e-5)
         assert mx.allclose(out.log_q[b], one.log_q, atol=1e-5)
+
+
+@pytest.mark.parametrize("W,L,top_k", [(1, 4, None), (4, 5, None), (3, 6, 4)])
+def test_compiled_proposer_equals_eager_and_sees_new_weights(W, L, top_k):
+    drafter = tiny_drafter(8, 40, draft_vocab=list(range(0, 40, 3)))
+    table = mx.random.normal((40, 8))
+    embed = lambda t: table[t]  # noqa: E731
+    eager = make_proposer(drafter, embed, W, L, top_k=top_k, compiled=False)
+    fast = make_proposer(drafter, embed, W, L, top_k=top_k, compiled=True)
+    for seed in range(5):
+        h = mx.random.normal((8,), key=mx.random.key(seed))
+        g0 = mx.array(seed % 40)
+        assert mx.array_equal(fast(h, g0), eager(h, g0))
+    # Weights are compile inputs, not constants: an update (training, set_dtype) is seen.
+    h, g0 = mx.random.normal((8,), key=mx.random.key(9)), mx.array(7)
+    before = fast(h, g0)
+    drafter.update(
+        {
+            "lm_head": [{}] * drafter.config.num_draft_layers
+            + [
+                {
+                    "weight": mx.random.normal(
+                        drafter.lm_head[-1].weight.shape, key=mx.random.key(11)
+                    )
+                }
+            ]
+        }
+    )
+    assert mx.array_equal(fast(h, g0), eager(h, g0))
+    assert not mx.array_equal(fast(h, g0), before)
