@@ -12,9 +12,12 @@ also run through the real engine as a check that the replay matches it.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import time
+from pathlib import Path
 
-from redrafter_mlx import registry
+from redrafter_mlx import paths, registry
 from redrafter_mlx.acceptance import replay, tokens_per_step
 from redrafter_mlx.beam_search import make_proposer
 from redrafter_mlx.benchmark import consume, humaneval_prompts, machine_info, write_json
@@ -25,15 +28,113 @@ from redrafter_mlx.loading import load
 from redrafter_mlx.verification import SamplingParams
 
 import mlx.core as mx
+import numpy as np
 
 
-def answers(model, prompts, max_tokens, stop, sampling, batch) -> tuple[list, list]:
+def answers(model, prompts, max_tokens, stop, sampling, batch, cache: Path | None):
+    """The LLM's answers and hidden states, cached on disk: they do not depend on the drafter,
+    so measuring another drafter (or checkpoint) of the same LLM costs only the replays."""
+    if cache is not None and cache.is_file():
+        stored = mx.load(str(cache))
+        n = len(prompts)
+        conts = [np.array(stored[f"tokens.{i}"]).tolist() for i in range(n)]
+        return conts, [np.array(stored[f"hidden.{i}"]) for i in range(n)]
     conts, hidden = [], []
     for s in range(0, len(prompts), batch):
         for a, h in greedy_with_hidden(model, prompts[s : s + batch], max_tokens, stop, sampling):
             conts.append(a)
             hidden.append(h)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        arrays = {f"tokens.{i}": mx.array(np.array(c, np.int32)) for i, c in enumerate(conts)}
+        arrays |= {f"hidden.{i}": mx.array(h) for i, h in enumerate(hidden)}
+        mx.save_safetensors(str(cache), arrays)
     return conts, hidden
+
+
+def cache_file(model_dir: Path, args, mode: str) -> Path | None:
+    if args.no_cache:
+        return None
+    # Sampled answers depend on the batch too (one random stream per batch).
+    key = [str(Path(model_dir).resolve()), args.problems, args.max_tokens, mode, args.batch]
+    key = json.dumps(key)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return paths.cache_dir() / "card-answers" / f"{digest}.safetensors"
+
+
+def train_command(report: dict) -> str:
+    """The `redrafter train` line that reproduces the recipe in ``report.json``."""
+    r, t = report["recipe"], report["recipe"]["train"]
+    flags = {
+        "--num-prompts": r["num_prompts"],
+        "--held-out": r["held_out"],
+        "--max-new-tokens": r["max_new_tokens"],
+        "--gen-batch": r["gen_batch"],
+        "--draft-vocab": r["draft_vocab"] or 0,
+        "--horizons": t["horizons"],
+        "--window": t["window"],
+        "--batch-rows": t["batch_rows"],
+        "--max-steps": t["steps"],
+        "--lr": t["lr"],
+        "--warmup": t["warmup"],
+        "--grad-clip": t["grad_clip"] or 0,
+        "--kl-weight": t["kl_weight"],
+        "--head-init": t.get("head_init", "random"),
+        "--seed": t["seed"],
+    }
+    if r.get("final_vocab"):
+        flags["--final-vocab"] = r["final_vocab"]
+    args = " ".join(f"{k} {v}" for k, v in flags.items())
+    return f"redrafter train --out DRAFTER_DIR {args}"
+
+
+def card_markdown(report: dict, table: dict, problems: str, max_tokens: int, info: dict) -> str:
+    """The drafter card: how it was trained (from ``report.json``) and what it accepts."""
+    r, t = report["recipe"], report["recipe"]["train"]
+    acc = ", ".join(f"{a:.3f}" for a in report["heldout_accuracy_by_horizon"])
+    lines = [
+        "# Drafter card",
+        "",
+        f"Trained and measured with `redrafter train` and `bench/drafter_card.py` on "
+        f"{info['chip']}, {info['cpu_count']} cores ({info['platform']}; mlx {info['mlx']}, "
+        f"mlx-lm {info['mlx_lm']}, {info['device']}).",
+        "",
+        f"- Data: {r['num_prompts']} prompts from the Python standard library "
+        f"({r['held_out']} held out), answered greedily by the LLM, at most "
+        f"{r['max_new_tokens']} new tokens: {report['data']['tokens']} answer tokens.",
+        f"- Draft vocabulary: {report['draft_vocab_size']} tokens, covering "
+        f"{report['draft_vocab_coverage_train']:.1%} of training and "
+        f"{report['draft_vocab_coverage_heldout']:.1%} of held-out answer tokens.",
+        f"- Training: {report['train_steps']} steps of {t['batch_rows']} rows x {t['window']} "
+        f"positions, K={t['horizons']} horizons, AdamW lr {t['lr']} (warmup {t['warmup']}, "
+        f"cosine), grad clip {t['grad_clip']}, head init {t.get('head_init', 'random')}; "
+        f"{report['train_seconds'] / 60:.0f} min, "
+        f"{report['train_tokens_per_s']:.0f} positions/s.",
+        f"- Held-out top-1 accuracy by horizon: {acc}; held-out tokens/step through the "
+        f"engine (W={r['eval_width']}, L={r['eval_length']}, {r['eval_tokens']} tokens): "
+        f"{report['heldout_tokens_per_step']:.2f}.",
+        "",
+        "Reproduce (the data step is cached in the work folder; `--resume` continues):",
+        "",
+        "```bash",
+        train_command(report),
+        "```",
+        "",
+        f"Tokens per step on HumanEval problems {problems}, {max_tokens} new tokens "
+        "(replayed: exact for greedy, see `redrafter_mlx/acceptance.py`):",
+        "",
+    ]
+    for mode, cells in table.items():
+        keys = list(cells)
+        lengths = sorted({k.split("L=")[1] for k in keys}, key=int)
+        widths = sorted({k.split(",")[0][2:] for k in keys}, key=int)
+        lines += [f"| {mode} | " + " | ".join(f"L={n}" for n in lengths) + " |"]
+        lines += ["|---" * (len(lengths) + 1) + "|"]
+        for w in widths:
+            row = " | ".join(f"{cells[f'W={w},L={n}']:.2f}" for n in lengths)
+            lines += [f"| W={w} | {row} |"]
+        lines += [""]
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -49,6 +150,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=20)
     ap.add_argument("--check", type=int, default=3, help="problems also run in the engine")
     ap.add_argument("--out", default="bench/results/drafter_card.json")
+    ap.add_argument("--no-cache", action="store_true", help="regenerate the LLM's answers")
+    ap.add_argument(
+        "--card",
+        default=None,
+        help="write the markdown card here (needs the "
+        "drafter's report.json from `redrafter train`)",
+    )
     args = ap.parse_args()
 
     model_dir, _ = registry.resolve_model(args.model)
@@ -67,7 +175,8 @@ def main() -> None:
     for mode, sampling in modes.items():
         mx.random.seed(0)
         tic = time.perf_counter()
-        conts, hidden = answers(model, prompts, args.max_tokens, stop, sampling, args.batch)
+        cache = cache_file(model_dir, args, mode)
+        conts, hidden = answers(model, prompts, args.max_tokens, stop, sampling, args.batch, cache)
         print(f"{mode}: {sum(map(len, conts))} answer tokens in {time.perf_counter() - tic:.0f} s")
         table[mode] = {}
         for W in widths:
@@ -117,6 +226,11 @@ def main() -> None:
         },
     )
     print(f"wrote {args.out}")
+    if args.card:
+        report = json.loads((Path(args.drafter) / "report.json").read_text())
+        text = card_markdown(report, table, args.problems, args.max_tokens, machine_info())
+        Path(args.card).write_text(text)
+        print(f"wrote {args.card}")
 
 
 if __name__ == "__main__":
