@@ -23,12 +23,19 @@ from redrafter_mlx.benchmark import (
     write_json,
 )
 from redrafter_mlx.drafter import Drafter, DrafterConfig
-from redrafter_mlx.generate import stream_autoregressive, stream_redrafter
+from redrafter_mlx.generate import (
+    GenerationSummary,
+    StepOutput,
+    StepStats,
+    stream_autoregressive,
+    stream_redrafter,
+)
 from redrafter_mlx.llm import TreeLLM
 from redrafter_mlx.loading import load, model_dims
 from redrafter_mlx.oracle import OracleProposer
 
 import mlx.core as mx
+from mlx_lm.generate import stream_generate as mlx_lm_stream_generate
 
 
 def main() -> None:
@@ -48,7 +55,8 @@ def main() -> None:
     ap.add_argument(
         "--modes",
         default="ar,drafter,oracle",
-        help="of ar, drafter, eager (drafter without mx.compile), oracle",
+        help="of ar (ours, the baseline), mlx_lm (mlx-lm's stream_generate), drafter, "
+        "eager (drafter without mx.compile), oracle",
     )
     ap.add_argument("--profile", action="store_true", help="time draft/verify (adds syncs)")
     ap.add_argument("--out", default="bench/results/engine.json")
@@ -77,6 +85,25 @@ def main() -> None:
 
         return run()
 
+    def mlx_lm_api(ids):  # mlx-lm's public stream_generate: is our baseline wrapper free?
+        summary = GenerationSummary(prompt_tokens=len(ids))
+        mx.reset_peak_memory()
+        tic = last = time.perf_counter()
+        start = None
+        for r in mlx_lm_stream_generate(model, tokenizer, ids, max_tokens=n):
+            now = time.perf_counter()
+            if start is None:
+                summary.prompt_time, start = now - tic, now
+            else:
+                summary.steps += 1
+                summary.generation_time = now - start
+            if r.finish_reason == "stop":  # mlx-lm yields the stop token; we never do
+                break
+            summary.generation_tokens += 1
+            summary.peak_memory_gb = mx.get_peak_memory() / 1e9
+            yield StepOutput([r.token], StepStats(1, 0, 1, now - last), summary)
+            last = now
+
     propose = make_proposer(drafter, llm.embed, W, L)
     propose_eager = make_proposer(drafter, llm.embed, W, L, compiled=False)
 
@@ -99,7 +126,13 @@ def main() -> None:
             llm, prop, ids, max_tokens=n, stop_tokens=stop, profile=args.profile
         )
 
-    runners = {"ar": ar, "drafter": with_drafter, "eager": eager, "oracle": oracle}
+    runners = {
+        "ar": ar,
+        "mlx_lm": mlx_lm_api,
+        "drafter": with_drafter,
+        "eager": eager,
+        "oracle": oracle,
+    }
     modes = args.modes.split(",")
     if "ar" not in modes:
         raise SystemExit("--modes must include ar (the baseline)")
