@@ -55,7 +55,10 @@ def user_errors(verbose: bool = False) -> Iterator[None]:
 
 @contextlib.contextmanager
 def progress_bar(description: str) -> Iterator:
-    """A rich progress bar; yields a ``progress(done, total, name)`` callback."""
+    """A rich progress bar; yields a ``progress(done, total, name)`` callback.
+
+    The bar appears on the first callback, so work that turns out to be cached (a model
+    already fetched) prints nothing."""
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -64,10 +67,10 @@ def progress_bar(description: str) -> Iterator:
         TextColumn("[dim]{task.fields[item]}"),
     )
     with Progress(*columns, console=err, disable=not err.is_terminal) as bar:
-        task = bar.add_task(description, total=None, item="")
+        task = bar.add_task(description, total=None, item="", visible=False)
 
         def update(done: int, total: int, item: str = "") -> None:
-            bar.update(task, completed=done, total=total, item=item)
+            bar.update(task, completed=done, total=total, item=item, visible=True)
 
         yield update
 
