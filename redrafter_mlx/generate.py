@@ -32,7 +32,7 @@ from .kv_cache import TreeKVCache
 from .llm import TreeLLM
 from .loading import check_compatible
 from .tree_attention import pack_beams
-from .verification import SamplingParams, accept, node_targets
+from .verification import SamplingParams, accept, node_targets, walk_targets
 
 
 @dataclass
@@ -175,7 +175,12 @@ def stream_redrafter(
             positions=mx.array(tree.positions(past)),
             ancestors=mx.array(tree.ancestor_mask()),
         )
-        targets = node_targets(llm.logits(hidden), sampling)
+        logits = llm.logits(hidden)
+        if sampling.greedy:  # argmax at every node: no sync needed before acceptance
+            targets = node_targets(logits, sampling)
+        else:  # process and sample only the rows the walk visits (see walk_targets)
+            mx.eval(logits)
+            targets = walk_targets(logits, tree.children(), sampling)
         if profile:
             mx.eval(targets)
         t1 = time.perf_counter()

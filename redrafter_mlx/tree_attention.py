@@ -47,6 +47,13 @@ class PackedTree:
         """[n, past + n] bool: every packed token sees the whole cached past and its ancestors."""
         return np.concatenate([np.ones((self.size, past), dtype=bool), self.ancestor_mask()], 1)
 
+    def children(self) -> list[dict[int, int]]:
+        """Per packed node, its children as {token id: packed index} (tokens are distinct)."""
+        kids: list[dict[int, int]] = [{} for _ in range(self.size)]
+        for i in range(1, self.size):
+            kids[int(self.parents[i])][int(self.tokens[i])] = i
+        return kids
+
     def positions(self, past: int) -> np.ndarray:
         """[n] int32 absolute positions: ``past + depth``."""
         return (past + self.depths).astype(np.int32)

@@ -79,6 +79,29 @@ def node_targets(logits: mx.array, params: SamplingParams) -> mx.array:
     return mx.random.categorical(sampling_logits(logits, params), axis=-1).astype(mx.int32)
 
 
+def walk_targets(
+    logits: mx.array, children: list[dict[int, int]], params: SamplingParams
+) -> mx.array:
+    """Sampling targets drawn only at the nodes the walk visits; ``-1`` elsewhere.
+
+    The same walk as above, run on the host: draw at the root; while a child carries the draw,
+    move there and draw again. Every visited node gets an independent draw from its own
+    processed distribution, exactly as :func:`node_targets` would give it, so the emitted
+    tokens follow the same law. What changes is the cost: mlx-lm's top-p sorts the whole
+    vocabulary, per row, and only the visited rows (accepted + 1 of them) are processed instead
+    of all n, at one host sync per visited node. ``-1`` equals no token, so :func:`accept`
+    stops where the walk stopped. logits: [n, V] (evaluated); children: from
+    :meth:`~redrafter_mlx.tree_attention.PackedTree.children`. Returns [n] int32.
+    """
+    targets = [-1] * len(children)
+    node = 0
+    while node is not None:
+        row = sampling_logits(logits[node : node + 1], params)
+        targets[node] = int(mx.random.categorical(row, axis=-1).item())
+        node = children[node].get(targets[node])
+    return mx.array(targets, dtype=mx.int32)
+
+
 @dataclass
 class Acceptance:
     """Device arrays describing one step's outcome (nothing here forces a sync)."""

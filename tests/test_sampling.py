@@ -6,7 +6,14 @@ from collections import Counter
 from redrafter_mlx.beam_search import make_proposer
 from redrafter_mlx.generate import stream_autoregressive, stream_redrafter
 from redrafter_mlx.llm import TreeLLM
-from redrafter_mlx.verification import SamplingParams, sampling_logits
+from redrafter_mlx.tree_attention import pack_beams
+from redrafter_mlx.verification import (
+    SamplingParams,
+    accept,
+    node_targets,
+    sampling_logits,
+    walk_targets,
+)
 
 import mlx.core as mx
 import numpy as np
@@ -131,3 +138,26 @@ def test_mlx_lm_sampling_matches_exact_law(setup, name):
         counts[tuple(t for o in outs for t in o.tokens)] += 1
     p = chi_square_p(counts, law, RUNS)
     assert p > 1e-3, f"mlx-lm samples do not follow the enumerated law (p={p:.2e})"
+
+
+def test_walk_targets_draw_only_along_the_walk():
+    """Visited nodes get the draw node_targets would give (top_k=1 makes it deterministic);
+    the others get -1, and acceptance reads the same path as with targets at every node."""
+    tree = pack_beams(np.array([[5, 1, 2], [5, 1, 3], [5, 4, 0]]))  # 6 packed nodes
+    kids = tree.children()
+    assert kids[0] == {1: 1, 4: 4} and kids[1] == {2: 2, 3: 3}
+    logits = np.random.default_rng(0).normal(size=(tree.size, 6)).astype(np.float32)
+    logits[0, 1] = logits[1, 3] = 9.0  # the walk: root -> 1 -> 3, then stops
+    params = SamplingParams(temp=1.0, top_k=1)
+    got = walk_targets(mx.array(logits), kids, params).tolist()
+    top = logits.argmax(-1)
+    assert got == [1, 3, -1, int(top[3]), -1, -1]
+    every = node_targets(mx.array(logits), params)
+    assert np.array_equal(np.array(every)[[0, 1, 3]], top[[0, 1, 3]])
+    beams, unpacker = mx.array(np.array([[5, 1, 2], [5, 1, 3], [5, 4, 0]])), mx.array(tree.unpacker)
+    a, b = accept(beams, unpacker, mx.array(got)), accept(beams, unpacker, every)
+    assert (a.count.item(), a.beam.item(), a.tokens.tolist()) == (
+        b.count.item(),
+        b.beam.item(),
+        b.tokens.tolist(),
+    )
