@@ -97,8 +97,10 @@ def train(
             gen_task = bar.add_task("generating", total=None, info="")
             train_task = bar.add_task("training", total=max_steps, info="", visible=False)
 
-            def on_gen(done: int, total: int) -> None:
+            def on_gen(done: int, total: int) -> None:  # once per answered batch
                 bar.update(gen_task, completed=done, total=total)
+                if not err.is_terminal:  # a log file: plain lines instead of the bar
+                    err.print(f"answered {done}/{total} prompts")
 
             def on_train(state, log) -> None:
                 acc = " ".join(f"{a:.2f}" for a in log["acc"])
