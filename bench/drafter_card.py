@@ -56,8 +56,9 @@ def cache_file(model_dir: Path, args, mode: str) -> Path | None:
     if args.no_cache:
         return None
     # Sampled answers depend on the batch too (one random stream per batch).
-    key = [str(Path(model_dir).resolve()), args.problems, args.max_tokens, mode, args.batch]
-    key = json.dumps(key)
+    key = json.dumps(
+        [str(Path(model_dir).resolve()), args.problems, args.max_tokens, mode, args.batch]
+    )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return paths.cache_dir() / "card-answers" / f"{digest}.safetensors"
 
