@@ -199,3 +199,26 @@ def test_bad_arguments():
         next(stream_redrafter(llm, propose, []))
     with pytest.raises(ValueError, match="max_tokens must be >= 1"):
         next(stream_redrafter(llm, propose, [1], max_tokens=0))
+
+
+def test_runs_on_mlx_lm_generation_stream():
+    """Each step runs on mlx-lm's generation stream (the one its AR decoding uses, so the two
+    share one CPU worker thread and its BLAS threads), and the caller's stream is left alone."""
+    from mlx_lm.generate import generation_stream
+
+    device = mx.default_device()
+    with mx.stream(generation_stream):
+        expected = mx.default_stream(device)
+    caller = mx.default_stream(device)
+    assert expected != caller
+    model, llm = model_for("llama", 0)
+    inner = make_proposer(tiny_drafter(32, VOCAB, seed=0), llm.embed, 2, 3)
+    seen = []
+
+    def propose(hidden, g0):
+        seen.append(mx.default_stream(device))
+        return inner(hidden, g0)
+
+    for _ in stream_redrafter(llm, propose, [1, 2, 3], max_tokens=12):
+        assert mx.default_stream(device) == caller
+    assert len(seen) > 1 and all(s == expected for s in seen)
