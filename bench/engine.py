@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-import redrafter_mlx  # noqa: F401  (first: loads OpenBLAS on Linux)
+import redrafter_mlx  # noqa: F401  (first: loads MKL or OpenBLAS on Linux)
 from redrafter_mlx.beam_search import make_proposer
 from redrafter_mlx.benchmark import (
     compare,

@@ -460,7 +460,7 @@ def main() -> int:
     if args.out is None or not (args.synthetic or (args.gguf and args.mlx)):
         parser.error("give --out and either --synthetic or --gguf with --mlx")
 
-    import redrafter_mlx  # noqa: F401  (OpenBLAS before mlx)
+    import redrafter_mlx  # noqa: F401  (a fast BLAS before mlx)
 
     info = machine_info()
     print(json.dumps(info, indent=1))

@@ -20,7 +20,7 @@ import argparse
 import statistics
 import time
 
-import redrafter_mlx  # noqa: F401  (first: loads OpenBLAS on Linux)
+import redrafter_mlx  # noqa: F401  (first: loads MKL or OpenBLAS on Linux)
 from redrafter_mlx.benchmark import humaneval_prompts, machine_info, write_json
 from redrafter_mlx.generate import prefill
 from redrafter_mlx.llm import TreeLLM

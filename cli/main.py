@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import redrafter_mlx  # noqa: F401  (loads OpenBLAS before anything imports mlx)
+import redrafter_mlx  # noqa: F401  (loads MKL or OpenBLAS before anything imports mlx)
 
 import typer
 

@@ -11,8 +11,8 @@ The paper's three ideas live in three modules:
 :mod:`redrafter_mlx.generate` runs them in a loop over an mlx-lm model.
 """
 
-from ._blas import load_openblas
+from ._blas import load_blas
 
-load_openblas()  # must run before anything imports mlx.core
+load_blas()  # must run before anything imports mlx.core
 
 __version__ = "0.1.0"

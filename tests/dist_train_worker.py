@@ -6,7 +6,7 @@ Usage: python dist_train_worker.py OUT_DIR
 import sys
 from pathlib import Path
 
-import redrafter_mlx  # noqa: F401  (OpenBLAS before mlx)
+import redrafter_mlx  # noqa: F401  (a fast BLAS before mlx)
 from redrafter_mlx.training import train
 
 import mlx.core as mx

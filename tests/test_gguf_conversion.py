@@ -1,7 +1,7 @@
 """GGUF -> mlx-lm conversion: tiny synthetic GGUFs for every architecture, bad inputs, and
 (marked ``real_model``) the two demo GGUFs that ship on PyPI.
 
-conftest.py imports redrafter_mlx (and with it OpenBLAS) before mlx.
+conftest.py imports redrafter_mlx (and with it a fast BLAS) before mlx.
 """
 
 from __future__ import annotations

@@ -802,5 +802,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # `python -m` imports redrafter_mlx (and OpenBLAS) first
+if __name__ == "__main__":  # `python -m` imports redrafter_mlx (and a fast BLAS) first
     raise SystemExit(main())
