@@ -84,16 +84,26 @@ class Recipe:
 def prepare_data(model, tokenizer, recipe: Recipe, data_dir: Path, log: Log, progress=None):
     """Prompts, generations and hidden states, each cached in ``data_dir``."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    prompts_path = data_dir / "prompts.jsonl"
-    if prompts_path.exists():
-        prompts = [json.loads(line) for line in prompts_path.read_text().splitlines()]
+    if recipe.prompts_file:
+        prompts = data.read_jsonl_prompts(recipe.prompts_file, tokenizer)
     else:
-        if recipe.prompts_file:
-            prompts = data.read_jsonl_prompts(recipe.prompts_file, tokenizer)
-        else:
-            prompts = data.build_prompts(tokenizer, recipe.num_prompts, seed=recipe.train.seed)
+        prompts = data.build_prompts(tokenizer, recipe.num_prompts, seed=recipe.train.seed)
+    prompts_path = data_dir / "prompts.jsonl"
+    cached = []
+    if prompts_path.exists():
+        cached = [json.loads(line) for line in prompts_path.read_text().splitlines()]
+        # More prompts of the same corpus and seed extend the cache (their answers are kept);
+        # anything else would silently train on other data than this recipe names.
+        if cached != prompts[: len(cached)]:
+            raise ValueError(
+                f"{prompts_path} holds {len(cached)} prompts that are not the first of the "
+                f"{len(prompts)} this run asks for (another --num-prompts below the cached "
+                "count, --prompts, --seed or model?); use a new --work-dir, or delete the "
+                "folder to start its data over"
+            )
+    if len(prompts) > len(cached):
         prompts_path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    log(f"prompts: {len(prompts)}")
+    log(f"prompts: {len(prompts)}" + (f" ({len(cached)} cached)" if cached else ""))
     tic = time.perf_counter()
     samples, hidden = data.generate_dataset(
         model,

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 from redrafter_mlx.distill_data import generate_dataset, greedy_with_hidden
@@ -260,3 +261,39 @@ def test_llm_head_init_starts_at_the_llms_own_guess(family):
     np.testing.assert_allclose(np.array(drafter.logits(h, state)), np.array(want), atol=1e-4)
     with pytest.raises(ValueError, match="expected LLM rows"):
         init_head_from_llm(drafter, adapter.output_embeddings(model))
+
+
+def test_cached_prompts_extend_or_refuse(tmp_path, monkeypatch):
+    """A data folder's cached prompts are kept when a run asks for more of the same corpus
+    (--num-prompts raised), and refused, with what to do, when they are not what it asks for."""
+    from redrafter_mlx import distill_data, recipe
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def fake_generate(model, prompts, folder, **kw):
+        seen.append(list(prompts))
+        raise Stop
+
+    monkeypatch.setattr(distill_data, "generate_dataset", fake_generate)
+    monkeypatch.setattr(
+        distill_data, "build_prompts", lambda tok, n, seed: [[seed, i] for i in range(n)]
+    )
+
+    def prepare(n: int, seed: int = 0) -> list:
+        r = recipe.Recipe(num_prompts=n, train=TrainConfig(seed=seed))
+        tokenizer = types.SimpleNamespace(eos_token_ids=[0])
+        with pytest.raises(Stop):
+            recipe.prepare_data(None, tokenizer, r, tmp_path, log=lambda m: None)
+        return seen[-1]
+
+    assert prepare(4) == [[0, i] for i in range(4)]
+    assert prepare(6) == [[0, i] for i in range(6)]  # extended, the first four unchanged
+    cached = (tmp_path / "prompts.jsonl").read_text().splitlines()
+    assert len(cached) == 6
+    for n, seed in ((3, 0), (6, 1)):
+        with pytest.raises(ValueError, match="holds 6 prompts .* use a new --work-dir"):
+            prepare(n, seed)
+    assert (tmp_path / "prompts.jsonl").read_text().splitlines() == cached
