@@ -88,3 +88,35 @@ def test_shipped_drafter_is_lossless_and_drafts_ahead(demo):
     )
     assert [t for o in outs for t in o.tokens] == ref
     assert outs[-1].summary.tokens_per_step >= 1.2
+
+
+def test_shipped_gemma_drafter_is_lossless_and_drafts_ahead():
+    """Gemma 3 270M's committed drafter, at its entry's shape (W=1 L=2): greedy output equals
+    mlx-lm's and drafts are accepted: 1.48 tokens/step measured on this prompt (31 tokens in 21
+    steps); a drafter that is never accepted gives 1.0."""
+    from redrafter_mlx import registry
+
+    entry = registry.get("gemma-3-270m")
+    if entry.drafter_dir is None:
+        pytest.fail("gemma-3-270m: no drafter committed under models/")
+    try:
+        path = ensure_demo_model("gemma-3-270m")
+    except ConversionError as e:
+        pytest.skip(f"gemma-3-270m unavailable: {e}")
+    model, tokenizer, drafter = load(path, entry.drafter_dir)
+    size = sum(p.stat().st_size for p in entry.drafter_dir.glob("*.safetensors"))
+    assert size <= 40e6
+    ids = tokenizer.encode(PROMPT)
+    ref = [t for o in stream_autoregressive(model, ids, max_tokens=32) for t in o.tokens]
+    outs = list(
+        stream_generate(
+            model,
+            drafter,
+            ids,
+            beam_width=entry.beam_width,
+            beam_length=entry.beam_length,
+            max_tokens=32,
+        )
+    )
+    assert [t for o in outs for t in o.tokens] == ref
+    assert outs[-1].summary.tokens_per_step >= 1.3
