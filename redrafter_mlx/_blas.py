@@ -82,8 +82,8 @@ def _load_mkl(folder: Path) -> str | None:
     return None
 
 
-def _load_openblas() -> bool:
-    explicit = os.environ.get("REDRAFTER_OPENBLAS")
+def _load_openblas(explicit: str | None) -> str | None:
+    """Load OpenBLAS (the ``explicit`` file, else the usual names); the name loaded, or None."""
     if explicit:
         names = [explicit]
     else:
@@ -96,10 +96,8 @@ def _load_openblas() -> bool:
             ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
         except OSError:
             continue
-        global status
-        status = f"loaded:{name}"
-        return True
-    return False
+        return name
+    return None
 
 
 def load_blas() -> str:
@@ -121,11 +119,12 @@ def load_blas() -> str:
             "(or run with LD_PRELOAD=libopenblas.so.0)."
         )
         return status
+    explicit = os.environ.get("REDRAFTER_OPENBLAS")
     choice = os.environ.get("REDRAFTER_BLAS", "auto").lower()
     if choice not in ("auto", "mkl", "openblas"):
         _warn(f"REDRAFTER_BLAS={choice!r} is not one of auto, mkl, openblas; using auto")
         choice = "auto"
-    if choice in ("auto", "mkl") and not os.environ.get("REDRAFTER_OPENBLAS"):
+    if choice in ("auto", "mkl") and not explicit:
         folder = mkl_folder()
         if folder is not None:
             error = _load_mkl(folder)
@@ -135,10 +134,11 @@ def load_blas() -> str:
             _warn(f"MKL is installed but could not be loaded ({error}); trying OpenBLAS")
         elif choice == "mkl":
             _warn("REDRAFTER_BLAS=mkl but MKL is not installed (pip install mkl); trying OpenBLAS")
-    if _load_openblas():
+    name = _load_openblas(explicit)
+    if name is not None:
+        status = f"loaded:{name}"
         return status
     status = "missing"
-    explicit = os.environ.get("REDRAFTER_OPENBLAS")
     where = f" at REDRAFTER_OPENBLAS={explicit}" if explicit else ""
     _warn(
         f"OpenBLAS not found{where}; MLX on Linux falls back to its reference BLAS, about 10x "
