@@ -47,6 +47,9 @@ def train(
     resume: Annotated[bool, opt("--resume", "Continue from the last checkpoint.")] = False,
     dtype: Annotated[str, opt("--dtype", "Saved drafter dtype.")] = "float16",
     data_only: Annotated[bool, opt("--data-only", "Prepare the data, then stop.")] = False,
+    answered_only: Annotated[
+        bool, opt("--answered-only", "Train on the prompts already answered; answer none.")
+    ] = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """Train a drafter by distillation from the LLM itself (runs on CPU or Metal)."""
@@ -82,6 +85,7 @@ def train(
             draft_vocab=draft_vocab or None,
             final_vocab=final_vocab or None,
             prompts_file=str(prompts) if prompts else None,
+            answered_only=answered_only,
             dtype=dtype,
             train=cfg,
         )

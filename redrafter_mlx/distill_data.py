@@ -171,6 +171,7 @@ def generate_dataset(
     max_tokens: int = 160,
     batch_size: int = 16,
     progress: Callable[[int, int], None] | None = None,
+    answer_new: bool = True,
 ) -> tuple[list[Sample], dict[int, np.ndarray]]:
     """Answer every prompt (greedy) and keep the answers' hidden states, batch by batch.
 
@@ -179,6 +180,8 @@ def generate_dataset(
     ``generations.jsonl`` (each naming its shard), so an interrupted run resumes with the
     prompts still unanswered, whatever ``batch_size`` the new run uses: existing shards are
     never overwritten, and the first answer of a prompt is the one kept.
+    With ``answer_new=False`` nothing is generated: the prompts not yet answered come back
+    with empty answers (and no hidden states), so training can use the folder as it is.
     Returns samples and hidden states by index.
     """
     folder.mkdir(parents=True, exist_ok=True)
@@ -194,6 +197,8 @@ def generate_dataset(
     next_shard = max((int(p.stem.split("-")[1]) for p in shards), default=-1) + 1
     todo = sorted((i for i in range(len(prompts)) if i not in done), key=lambda i: len(prompts[i]))
     batches = [todo[s : s + batch_size] for s in range(0, len(todo), batch_size)]
+    if not answer_new:
+        batches = []
     with jsonl.open("a") as f:
         for n, batch in enumerate(batches):
             shard = folder / f"hidden-{next_shard + n:05d}.safetensors"
@@ -216,9 +221,11 @@ def generate_dataset(
     for path in sorted(folder.glob("hidden-*.safetensors")):
         for key, value in mx.load(str(path)).items():
             i = int(key)
+            if i not in done:  # a shard whose answer line was lost: answered again or unused
+                continue
             # A row names its shard; rows written before shards were named take the first.
-            wanted = done.get(i, {}).get("shard", path.name if i not in hidden else None)
+            wanted = done[i].get("shard", path.name if i not in hidden else None)
             if wanted == path.name:
                 hidden[i] = np.array(value)
-    samples = [Sample(prompts[i], done[i]["answer"]) for i in range(len(prompts))]
+    samples = [Sample(p, done[i]["answer"] if i in done else []) for i, p in enumerate(prompts)]
     return samples, hidden

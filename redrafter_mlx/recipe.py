@@ -74,6 +74,7 @@ class Recipe:
     draft_vocab: int | None = 16384  # None: the full vocabulary
     final_vocab: int | None = None  # shrink the trained draft vocab to this size before saving
     prompts_file: str | None = None  # a JSONL of prompts/texts instead of the stdlib corpus
+    answered_only: bool = False  # train on the prompts the data folder has answered; add none
     dtype: str = "float16"  # of the saved drafter
     eval_width: int = 4
     eval_length: int = 5
@@ -113,6 +114,7 @@ def prepare_data(model, tokenizer, recipe: Recipe, data_dir: Path, log: Log, pro
         max_tokens=recipe.max_new_tokens,
         batch_size=recipe.gen_batch,
         progress=progress,
+        answer_new=not recipe.answered_only,
     )
     gen_s = time.perf_counter() - tic
     examples = {
@@ -120,9 +122,23 @@ def prepare_data(model, tokenizer, recipe: Recipe, data_dir: Path, log: Log, pro
         for i, s in enumerate(samples)
         if s.answer and i in hidden
     }
+    if not examples:
+        raise ValueError(
+            f"{data_dir}: no answered prompts to train on (drop --answered-only to answer them)"
+        )
     tokens = sum(len(e.tokens) for e in examples.values())
     log(f"answers: {len(examples)}, {tokens} tokens ({gen_s:.0f} s this run)")
     return samples, examples, {"generation_s_this_run": gen_s, "tokens": tokens}
+
+
+def held_out_ids(examples: dict[int, Example], held_out: int) -> set[int]:
+    """The last ``held_out`` answered prompts (at most a fifth of them), kept for evaluation.
+
+    With every prompt answered these are the corpus's last prompts; with ``answered_only``
+    they are the last of those answered, so the held-out set is never empty by accident.
+    """
+    n_eval = min(held_out, max(len(examples) // 5, 1))
+    return set(sorted(examples)[-n_eval:])
 
 
 def tokens_per_step(llm: TreeLLM, drafter, prompts, width, length, max_tokens, stop) -> float:
@@ -155,10 +171,9 @@ def run(
     samples, examples, data_report = prepare_data(
         model, tokenizer, recipe, work / "data", log, progress
     )
-    n_eval = min(recipe.held_out, max(len(samples) // 5, 1))
-    eval_ids = range(len(samples) - n_eval, len(samples))  # the last prompts are held out
+    eval_ids = held_out_ids(examples, recipe.held_out)
     train_ex = [e for i, e in examples.items() if i not in eval_ids]
-    eval_ex = [examples[i] for i in eval_ids if i in examples]
+    eval_ex = [examples[i] for i in sorted(eval_ids)]
     vocab, _ = choose_draft_vocab(train_ex, recipe.draft_vocab, vocab_size)
     coverage, eval_cover = vocab_coverage(vocab, train_ex, eval_ex, vocab_size, "draft vocab", log)
 
@@ -196,7 +211,7 @@ def run(
             vocab, train_ex, eval_ex, vocab_size, "draft vocab (shrunk)", log
         )
     accuracy = evaluate(drafter, llm.embed, eval_ex, cfg.horizons, cfg.window)
-    eval_prompts = [samples[i].prompt for i in eval_ids][:8]
+    eval_prompts = [samples[i].prompt for i in sorted(eval_ids)][:8]
     tps = tokens_per_step(
         llm,
         drafter,

@@ -1,5 +1,6 @@
 """Drafter training: data generation with hidden states, the objective, resume, data parallel."""
 
+import json
 import subprocess
 import sys
 import types
@@ -297,3 +298,43 @@ def test_cached_prompts_extend_or_refuse(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match="holds 6 prompts .* use a new --work-dir"):
             prepare(n, seed)
     assert (tmp_path / "prompts.jsonl").read_text().splitlines() == cached
+
+
+def test_answered_only_uses_the_folder_as_it_is(tmp_path, monkeypatch):
+    """--answered-only trains on what an interrupted data run answered: nothing is generated,
+    unanswered prompts come back empty (so they are not trained on), answered ones intact."""
+    model = tiny_llm("qwen2", vocab_size=64, seed=2)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12]]
+    samples, hidden = generate_dataset(model, prompts, tmp_path, {0}, max_tokens=6, batch_size=2)
+    lines = (tmp_path / "generations.jsonl").read_text().splitlines()
+    (tmp_path / "generations.jsonl").write_text("\n".join(lines[:3]) + "\n")
+    kept = {json.loads(x)["index"] for x in lines[:3]}
+    calls = []
+    monkeypatch.setattr(
+        "redrafter_mlx.distill_data.greedy_with_hidden", lambda *a: calls.append(a) or []
+    )
+    again, hidden2 = generate_dataset(model, prompts, tmp_path, {0}, 6, 2, answer_new=False)
+    assert calls == []
+    assert [s.prompt for s in again] == prompts
+    want = [s.answer if i in kept else [] for i, s in enumerate(samples)]
+    assert [s.answer for s in again] == want
+    assert set(hidden2) == kept & set(hidden)
+    assert all(np.array_equal(hidden2[i], hidden[i]) for i in hidden2)
+    # An empty folder has nothing to train on: said so, with the way out.
+    from redrafter_mlx import recipe
+
+    empty = tmp_path / "empty"
+    tokenizer = types.SimpleNamespace(eos_token_ids=[0])
+    monkeypatch.setattr("redrafter_mlx.distill_data.build_prompts", lambda tok, n, seed: prompts)
+    r = recipe.Recipe(num_prompts=5, answered_only=True)
+    with pytest.raises(ValueError, match="no answered prompts .*drop --answered-only"):
+        recipe.prepare_data(model, tokenizer, r, empty, log=lambda m: None)
+
+
+def test_held_out_are_the_last_answered_prompts():
+    from redrafter_mlx.recipe import held_out_ids
+
+    ex = {i: None for i in (0, 3, 7, 8, 20, 31, 40, 41, 50, 60)}
+    assert held_out_ids(ex, 1) == {60}
+    assert held_out_ids(ex, 24) == {50, 60}  # at most a fifth
+    assert held_out_ids({5: None}, 24) == {5}
