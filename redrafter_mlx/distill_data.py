@@ -31,6 +31,8 @@ import numpy as np
 from .adapters import adapter_for
 from .verification import SamplingParams, node_targets
 
+GROUP_BATCHES = 8  # batches whose prompts are sorted by length together
+
 CHAT_REQUEST = "Write the Python function below. Reply with code only.\n\n```python\n{}\n```"
 
 
@@ -175,11 +177,11 @@ def generate_dataset(
 ) -> tuple[list[Sample], dict[int, np.ndarray]]:
     """Answer every prompt (greedy) and keep the answers' hidden states, batch by batch.
 
-    Batches take prompts of similar length (less padding). Each finished batch is written as
-    one new ``hidden-NNNNN.safetensors`` shard (keys: prompt indices) and then its lines in
-    ``generations.jsonl`` (each naming its shard), so an interrupted run resumes with the
-    prompts still unanswered, whatever ``batch_size`` the new run uses: existing shards are
-    never overwritten, and the first answer of a prompt is the one kept.
+    Batches take prompts of similar length (less padding), near the corpus order. Each finished
+    batch is written as one new ``hidden-NNNNN.safetensors`` shard (keys: prompt indices) and
+    then its lines in ``generations.jsonl`` (each naming its shard), so an interrupted run
+    resumes with the prompts still unanswered, whatever ``batch_size`` the new run uses:
+    existing shards are never overwritten, and the first answer of a prompt is the one kept.
     With ``answer_new=False`` nothing is generated: the prompts not yet answered come back
     with empty answers (and no hidden states), so training can use the folder as it is.
     Returns samples and hidden states by index.
@@ -195,7 +197,14 @@ def generate_dataset(
             raise ValueError(f"{jsonl}: cached answers belong to other prompts; use a new folder")
     shards = sorted(folder.glob("hidden-*.safetensors"))
     next_shard = max((int(p.stem.split("-")[1]) for p in shards), default=-1) + 1
-    todo = sorted((i for i in range(len(prompts)) if i not in done), key=lambda i: len(prompts[i]))
+    # Prompts are answered in corpus order, sorted by length only within groups of
+    # GROUP_BATCHES batches: little padding, and a run stopped early has answered a fair
+    # sample of the corpus (sorting all of it first answered only the short prompts).
+    pending = [i for i in range(len(prompts)) if i not in done]
+    group = batch_size * GROUP_BATCHES
+    todo = []
+    for g in range(0, len(pending), group):
+        todo += sorted(pending[g : g + group], key=lambda i: len(prompts[i]))
     batches = [todo[s : s + batch_size] for s in range(0, len(todo), batch_size)]
     if not answer_new:
         batches = []

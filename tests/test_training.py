@@ -338,3 +338,23 @@ def test_held_out_are_the_last_answered_prompts():
     assert held_out_ids(ex, 1) == {60}
     assert held_out_ids(ex, 24) == {50, 60}  # at most a fifth
     assert held_out_ids({5: None}, 24) == {5}
+
+
+def test_prompts_are_answered_near_corpus_order(tmp_path, monkeypatch):
+    """Length sorting stays within groups of batches, so a data run stopped early has answered
+    the corpus's first prompts, not only its shortest ones (a biased sample)."""
+    from redrafter_mlx import distill_data
+
+    model = tiny_llm("qwen2", vocab_size=64, seed=2)
+    prompts = [[1] * n for n in (5, 4, 3, 2, 1, 6)]
+    order = []
+    real = greedy_with_hidden
+
+    def recording(model, batch, *a):
+        order.extend(prompts.index(p) for p in batch)
+        return real(model, batch, *a)
+
+    monkeypatch.setattr(distill_data, "greedy_with_hidden", recording)
+    monkeypatch.setattr(distill_data, "GROUP_BATCHES", 2)
+    generate_dataset(model, prompts, tmp_path, {0}, max_tokens=2, batch_size=1)
+    assert order == [1, 0, 3, 2, 4, 5]  # sorting all first gave [4, 3, 2, 1, 0, 5]
