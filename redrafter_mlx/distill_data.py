@@ -200,14 +200,12 @@ def generate_dataset(
     # Prompts are answered in corpus order, sorted by length only within groups of
     # GROUP_BATCHES batches: little padding, and a run stopped early has answered a fair
     # sample of the corpus (sorting all of it first answered only the short prompts).
-    pending = [i for i in range(len(prompts)) if i not in done]
+    pending = [i for i in range(len(prompts)) if i not in done] if answer_new else []
     group = batch_size * GROUP_BATCHES
     todo = []
     for g in range(0, len(pending), group):
         todo += sorted(pending[g : g + group], key=lambda i: len(prompts[i]))
     batches = [todo[s : s + batch_size] for s in range(0, len(todo), batch_size)]
-    if not answer_new:
-        batches = []
     with jsonl.open("a") as f:
         for n, batch in enumerate(batches):
             shard = folder / f"hidden-{next_shard + n:05d}.safetensors"

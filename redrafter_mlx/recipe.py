@@ -123,22 +123,25 @@ def prepare_data(model, tokenizer, recipe: Recipe, data_dir: Path, log: Log, pro
         if s.answer and i in hidden
     }
     if not examples:
-        raise ValueError(
-            f"{data_dir}: no answered prompts to train on (drop --answered-only to answer them)"
+        fix = (
+            "drop --answered-only to answer them"
+            if recipe.answered_only
+            else "every answer was empty: check the prompts and --max-new-tokens"
         )
+        raise ValueError(f"{data_dir}: no answered prompts to train on ({fix})")
     tokens = sum(len(e.tokens) for e in examples.values())
     log(f"answers: {len(examples)}, {tokens} tokens ({gen_s:.0f} s this run)")
     return samples, examples, {"generation_s_this_run": gen_s, "tokens": tokens}
 
 
-def held_out_ids(examples: dict[int, Example], held_out: int) -> set[int]:
+def held_out_ids(examples: dict[int, Example], held_out: int) -> list[int]:
     """The last ``held_out`` answered prompts (at most a fifth of them), kept for evaluation.
 
     With every prompt answered these are the corpus's last prompts; with ``answered_only``
     they are the last of those answered, so the held-out set is never empty by accident.
     """
     n_eval = min(held_out, max(len(examples) // 5, 1))
-    return set(sorted(examples)[-n_eval:])
+    return sorted(examples)[-n_eval:]
 
 
 def tokens_per_step(llm: TreeLLM, drafter, prompts, width, length, max_tokens, stop) -> float:
@@ -173,7 +176,7 @@ def run(
     )
     eval_ids = held_out_ids(examples, recipe.held_out)
     train_ex = [e for i, e in examples.items() if i not in eval_ids]
-    eval_ex = [examples[i] for i in sorted(eval_ids)]
+    eval_ex = [examples[i] for i in eval_ids]
     vocab, _ = choose_draft_vocab(train_ex, recipe.draft_vocab, vocab_size)
     coverage, eval_cover = vocab_coverage(vocab, train_ex, eval_ex, vocab_size, "draft vocab", log)
 
@@ -211,7 +214,7 @@ def run(
             vocab, train_ex, eval_ex, vocab_size, "draft vocab (shrunk)", log
         )
     accuracy = evaluate(drafter, llm.embed, eval_ex, cfg.horizons, cfg.window)
-    eval_prompts = [samples[i].prompt for i in sorted(eval_ids)][:8]
+    eval_prompts = [samples[i].prompt for i in eval_ids][:8]
     tps = tokens_per_step(
         llm,
         drafter,

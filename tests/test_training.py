@@ -335,9 +335,9 @@ def test_held_out_are_the_last_answered_prompts():
     from redrafter_mlx.recipe import held_out_ids
 
     ex = {i: None for i in (0, 3, 7, 8, 20, 31, 40, 41, 50, 60)}
-    assert held_out_ids(ex, 1) == {60}
-    assert held_out_ids(ex, 24) == {50, 60}  # at most a fifth
-    assert held_out_ids({5: None}, 24) == {5}
+    assert held_out_ids(ex, 1) == [60]
+    assert held_out_ids(ex, 24) == [50, 60]  # at most a fifth
+    assert held_out_ids({5: None}, 24) == [5]
 
 
 def test_prompts_are_answered_near_corpus_order(tmp_path, monkeypatch):
