@@ -18,8 +18,9 @@ import mlx.core as mx
 
 from .drafter import Drafter
 
-#: A proposer maps (hidden [H], g0 []) to beams [W, L] whose column 0 is g0.
-Proposer = Callable[[mx.array, mx.array], mx.array]
+#: A proposer maps (hidden [H], g0 []) to beams [W, L] whose column 0 is g0, or to
+#: (beams, prefix_scores [W, L]) when it also scores them (needed to prune the tree).
+Proposer = Callable[[mx.array, mx.array], mx.array | tuple[mx.array, mx.array]]
 
 #: Apple's "log 0": finite, so that when fewer than W candidates are finite (width above the
 #: top-k, or a tiny vocabulary) the extra beams still extend with their best tokens (and
@@ -31,6 +32,7 @@ LOG_0 = -50000.0
 class Beams:
     tokens: mx.array  # [W, L] int32, tokens[:, 0] == g0, best beam first
     scores: mx.array  # [W] float32, joint draft log-probability of each beam
+    prefix_scores: mx.array  # [W, L] float32, log-probability of each beam's prefix by depth
     log_q: mx.array | None = None  # [W, L-1, V_d] per-step draft log-probs (if requested)
 
 
@@ -62,7 +64,8 @@ def beam_search(
         g0: [] (or [B]) int, the guaranteed token.
         top_k: optional top-k warp of the drafter logits before the log-softmax (Apple: 50).
 
-    Returns beams [W, L] (or [B, W, L]), best first.
+    Returns beams [W, L] (or [B, W, L]), best first, with the drafter's log-probability of
+    every prefix (``prefix_scores[..., d]``: the first d drafted tokens; column 0 is 0).
     """
     if width < 1 or length < 2:
         raise ValueError(f"beam search needs width >= 1 and length >= 2, got {width}, {length}")
@@ -74,6 +77,7 @@ def beam_search(
     tokens = mx.broadcast_to(g0.astype(mx.int32)[:, None, None], (B, W, 1))
     state = mx.zeros((B, W, H), dtype=dtype)
     scores = mx.broadcast_to(mx.array([0.0] + [LOG_0] * (W - 1), dtype=mx.float32), (B, W))
+    prefix = mx.zeros((B, W, 1), dtype=mx.float32)
     log_q = None
     for _ in range(length - 1):
         state = drafter.step(state, embed(tokens[..., -1]))
@@ -93,6 +97,7 @@ def beam_search(
         parent, token = best // V, best % V  # [B, W]
         token_ids = drafter.token_ids(token).astype(mx.int32)
         tokens = mx.concatenate([gather_beams(tokens, parent), token_ids[..., None]], axis=-1)
+        prefix = mx.concatenate([gather_beams(prefix, parent), scores[..., None]], axis=-1)
         state = gather_beams(state, parent)
         if return_log_q:
             step_q = gather_beams(logp, parent)[:, :, None]
@@ -102,9 +107,9 @@ def beam_search(
                 else mx.concatenate([gather_beams(log_q, parent), step_q], axis=2)
             )
     if not batched:
-        tokens, scores = tokens[0], scores[0]
+        tokens, scores, prefix = tokens[0], scores[0], prefix[0]
         log_q = None if log_q is None else log_q[0]
-    return Beams(tokens=tokens, scores=scores, log_q=log_q)
+    return Beams(tokens=tokens, scores=scores, prefix_scores=prefix, log_q=log_q)
 
 
 def gather_beams(x: mx.array, parent: mx.array) -> mx.array:
@@ -120,8 +125,12 @@ def make_proposer(
     length: int,
     top_k: int | None = None,
     compiled: bool = True,
+    with_scores: bool = False,
 ) -> Proposer:
     """A proposer that runs :func:`beam_search` with fixed beam shape.
+
+    ``with_scores`` makes it return ``(tokens, prefix_scores)``, what tree pruning
+    (:mod:`redrafter_mlx.tree_budget`) ranks nodes by.
 
     ``compiled`` traces the search once per input shape with ``mx.compile``, which fuses its
     many small element-wise ops (log-softmax, scores, gathers) into fewer kernels. The drafter's
@@ -129,7 +138,8 @@ def make_proposer(
     table is captured as a constant (it does not change during generation).
     """
 
-    def propose(hidden: mx.array, g0: mx.array) -> mx.array:
-        return beam_search(drafter, embed, hidden, g0, width, length, top_k=top_k).tokens
+    def propose(hidden: mx.array, g0: mx.array) -> mx.array | tuple[mx.array, mx.array]:
+        beams = beam_search(drafter, embed, hidden, g0, width, length, top_k=top_k)
+        return (beams.tokens, beams.prefix_scores) if with_scores else beams.tokens
 
     return mx.compile(propose, inputs=drafter.state) if compiled else propose

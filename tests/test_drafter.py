@@ -163,9 +163,13 @@ def test_beam_search_log_q_and_draft_vocab():
     idx = {t: i for i, t in enumerate(vocab)}
     lq = np.array(out.log_q)
     toks = np.array(out.tokens)
+    prefix = np.array(out.prefix_scores)
+    assert prefix.shape == (W, L) and np.all(prefix[:, 0] == 0)
     for b in range(W):
-        s = sum(lq[b, d, idx[toks[b, d + 1]]] for d in range(L - 1))
-        assert abs(s - float(out.scores[b])) < 1e-4
+        steps = [lq[b, d, idx[toks[b, d + 1]]] for d in range(L - 1)]
+        assert abs(sum(steps) - float(out.scores[b])) < 1e-4
+        # ... and its prefix score at depth d sums its first d tokens' log-probs.
+        np.testing.assert_allclose(prefix[b, 1:], np.cumsum(steps), atol=1e-4)
 
 
 def test_beam_search_is_deterministic():
