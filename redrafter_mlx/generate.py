@@ -32,6 +32,7 @@ from .kv_cache import TreeKVCache
 from .llm import TreeLLM
 from .loading import check_compatible
 from .tree_attention import pack_beams
+from .tree_budget import TreeBudget, measure_step_cost
 from .verification import SamplingParams, accept, node_targets, walk_targets
 
 
@@ -147,6 +148,7 @@ def stream_redrafter(
     cache: list[TreeKVCache] | None = None,
     profile: bool = False,
     prefill_step_size: int = 2048,
+    budget: TreeBudget | None = None,
 ) -> Iterator[StepOutput]:
     """Generate with ReDrafter, yielding the tokens of each step as soon as they are accepted.
 
@@ -160,9 +162,23 @@ def stream_redrafter(
     each stream has its own worker thread, and an OpenMP BLAS (MKL) keeps a thread team per
     calling thread, so running the two decoders on two streams in one process slowed mlx-lm's
     AR after a ReDrafter run (measured with MKL: 11.4 -> 9.4 tokens/s; in a bench grid ~2x).
+
+    ``budget`` (a :class:`~redrafter_mlx.tree_budget.TreeBudget` built from the step cost that
+    :func:`~redrafter_mlx.tree_budget.measure_step_cost` measures) prunes each tree to the
+    nodes worth their verification cost; it needs a proposer that scores its beams
+    (``make_proposer(..., with_scores=True)``). Without it every drafted node is verified.
     """
     steps = _redrafter_steps(
-        llm, propose, prompt, max_tokens, sampling, stop_tokens, cache, profile, prefill_step_size
+        llm,
+        propose,
+        prompt,
+        max_tokens,
+        sampling,
+        stop_tokens,
+        cache,
+        profile,
+        prefill_step_size,
+        budget,
     )
     return on_stream(steps, generation_stream)
 
@@ -177,6 +193,7 @@ def _redrafter_steps(
     cache: list[TreeKVCache] | None,
     profile: bool,
     prefill_step_size: int,
+    budget: TreeBudget | None,
 ) -> Iterator[StepOutput]:
     sampling = sampling or SamplingParams()
     prompt_ids = _as_prompt(prompt)
@@ -188,8 +205,8 @@ def _redrafter_steps(
     tic = time.perf_counter()
     hidden = prefill(llm, cache, prompt_ids, prefill_step_size)
     g0 = node_targets(llm.logits(hidden[None]), sampling)[0]
-    beams = propose(hidden, g0)
-    mx.eval(g0, beams)
+    beams, scores = _draft(propose, hidden, g0, budget is not None)
+    mx.eval(g0, beams, scores)
     summary.prompt_time = time.perf_counter() - tic
     first = emitter.cut([int(g0.item())])
     summary.peak_memory_gb = mx.get_peak_memory() / 1e9
@@ -202,6 +219,9 @@ def _redrafter_steps(
     while True:
         t0 = time.perf_counter()
         tree = pack_beams(np.array(beams))
+        if budget is not None:
+            tree, pruned = budget.prune(tree, np.array(beams), np.array(scores))
+            beams = mx.array(pruned)
         hidden = llm.hidden_states(
             mx.array(tree.tokens),
             cache,
@@ -221,11 +241,13 @@ def _redrafter_steps(
         if profile:
             mx.eval(acc.tokens, acc.count, acc.beam)
         t2 = time.perf_counter()
-        beams = propose(hidden[acc.last], targets[acc.last])
-        mx.eval(acc.tokens, acc.count, acc.beam, beams)
+        beams, scores = _draft(propose, hidden[acc.last], targets[acc.last], budget is not None)
+        mx.eval(acc.tokens, acc.count, acc.beam, acc.path, beams, scores)
         t3 = time.perf_counter()
 
         count, beam = int(acc.count.item()), int(acc.beam.item())
+        if budget is not None:
+            budget.observe(acc.path.tolist()[:count])
         tokens = emitter.cut(acc.tokens.tolist()[:count])
         # Keep the root and the emitted tokens but the newest (fewer than count if cut short).
         for c in cache:
@@ -251,6 +273,20 @@ def _redrafter_steps(
         yield StepOutput(tokens, stats, summary)
         if summary.finish_reason:
             return
+
+
+def _draft(
+    propose: Proposer, hidden: mx.array, g0: mx.array, need_scores: bool
+) -> tuple[mx.array, mx.array | None]:
+    """Beams [W, L] and, if the proposer gives them, their prefix scores [W, L]."""
+    out = propose(hidden, g0)
+    beams, scores = out if isinstance(out, tuple) else (out, None)
+    if need_scores and scores is None:
+        raise ValueError(
+            "tree pruning (a budget) needs a proposer that scores its beams: "
+            "make_proposer(..., with_scores=True)"
+        )
+    return beams, scores
 
 
 def stream_autoregressive(
@@ -292,6 +328,16 @@ def stream_autoregressive(
             return
 
 
+def step_cost(model: nn.Module, drafter: Drafter, beam_width: int, beam_length: int) -> list[float]:
+    """Seconds of a step verifying 1 .. 1 + W (L - 1) tokens, measured here, on the stream
+    generation runs on: the ``step_cost`` of a :class:`~redrafter_mlx.tree_budget.TreeBudget`."""
+    check_compatible(drafter, model)
+    llm = TreeLLM(model)
+    propose = make_proposer(drafter, llm.embed, beam_width, beam_length, with_scores=True)
+    with mx.stream(generation_stream):
+        return measure_step_cost(llm, propose, 1 + beam_width * (beam_length - 1))
+
+
 def stream_generate(
     model: nn.Module,
     drafter: Drafter,
@@ -300,10 +346,21 @@ def stream_generate(
     beam_width: int = 4,
     beam_length: int = 5,
     draft_top_k: int | None = None,
+    budget: TreeBudget | None = None,
     **kwargs,
 ) -> Iterator[StepOutput]:
-    """ReDrafter generation from an mlx-lm model and a drafter (see :func:`stream_redrafter`)."""
+    """ReDrafter generation from an mlx-lm model and a drafter (see :func:`stream_redrafter`).
+
+    A ``budget`` may be shared by many calls (a chat session): its calibration carries over.
+    """
     check_compatible(drafter, model)
     llm = TreeLLM(model)
-    propose = make_proposer(drafter, llm.embed, beam_width, beam_length, top_k=draft_top_k)
-    return stream_redrafter(llm, propose, prompt, **kwargs)
+    propose = make_proposer(
+        drafter,
+        llm.embed,
+        beam_width,
+        beam_length,
+        top_k=draft_top_k,
+        with_scores=budget is not None,
+    )
+    return stream_redrafter(llm, propose, prompt, budget=budget, **kwargs)

@@ -58,6 +58,42 @@ class PackedTree:
         """[n] int32 absolute positions: ``past + depth``."""
         return (past + self.depths).astype(np.int32)
 
+    def node_values(self, per_beam: np.ndarray) -> np.ndarray:
+        """Per-(beam, depth) values [W, L] that agree on shared prefixes -> per node [n]."""
+        out = np.empty(self.size, dtype=np.asarray(per_beam).dtype)
+        out[self.unpacker] = per_beam
+        return out
+
+    def subtree(self, keep: np.ndarray) -> tuple[PackedTree, np.ndarray]:
+        """The tree of the packed nodes ``keep`` (ascending, root included, every kept node's
+        parent kept too), and the [W, L] bool mask of the (beam, depth) entries that survive.
+
+        A dropped (beam, depth) maps to its deepest kept ancestor in the new unpacker; the
+        caller must also make its drafted token unacceptable (see ``NO_TOKEN``).
+        """
+        keep = np.asarray(keep, dtype=np.int64)
+        new = np.full(self.size, -1, dtype=np.int32)
+        new[keep] = np.arange(keep.size, dtype=np.int32)
+        parents = self.parents[keep]
+        if keep.size == 0 or keep[0] != 0 or np.any(new[parents[1:]] < 0):
+            raise ValueError("a subtree must keep the root and the parent of every kept node")
+        kept = new[self.unpacker] >= 0  # [W, L]; ancestor-closed, so a prefix of each row
+        unpacker = new[self.unpacker]
+        for d in range(1, unpacker.shape[1]):  # dropped -> the kept ancestor before it
+            unpacker[:, d] = np.where(kept[:, d], unpacker[:, d], unpacker[:, d - 1])
+        sub = PackedTree(
+            tokens=self.tokens[keep],
+            depths=self.depths[keep],
+            parents=np.concatenate([[-1], new[parents[1:]]]).astype(np.int32),
+            unpacker=unpacker,
+        )
+        return sub, kept
+
+
+#: Stands in for a dropped drafted token: no LLM target (a token id, or -1 for an unvisited
+#: node in sampling) ever equals it, so acceptance stops before it.
+NO_TOKEN = -2
+
 
 def pack_beams(beams: np.ndarray) -> PackedTree:
     """Deduplicate shared prefixes of ``beams`` [W, L] (all beams start with the same root)."""

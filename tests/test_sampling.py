@@ -7,6 +7,7 @@ from redrafter_mlx.beam_search import make_proposer
 from redrafter_mlx.generate import stream_autoregressive, stream_redrafter
 from redrafter_mlx.llm import TreeLLM
 from redrafter_mlx.tree_attention import pack_beams
+from redrafter_mlx.tree_budget import TreeBudget
 from redrafter_mlx.verification import (
     SamplingParams,
     accept,
@@ -108,16 +109,28 @@ def test_processed_probs_match_mlx_lm_filters():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_redrafter_sampling_matches_exact_law(setup, name):
+@pytest.mark.parametrize(
+    "name,pruned", [(name, False) for name in CONFIGS] + [("T=0.7,top_p=0.8", True)]
+)
+def test_redrafter_sampling_matches_exact_law(setup, name, pruned):
+    """Also with the tree pruned to a budget (``pruned``): which nodes get verified depends on
+    the drafter only, so the emitted tokens keep the LLM's law."""
     model, llm, propose = setup
+    kw = {}
+    if pruned:
+        propose = make_proposer(tiny_drafter(32, V, seed=4), llm.embed, 3, 3, with_scores=True)
+        kw = dict(budget=TreeBudget([1.0, 1.05, 1.1, 1.15]))  # at most 4 of 7 nodes
     params = CONFIGS[name]
     law = exact_law(model, params)
     counts: Counter = Counter()
     accepted = 0
     for seed in SEEDS:
         mx.random.seed(seed)
-        outs = list(stream_redrafter(llm, propose, PROMPT, max_tokens=N_TOKENS, sampling=params))
+        outs = list(
+            stream_redrafter(llm, propose, PROMPT, max_tokens=N_TOKENS, sampling=params, **kw)
+        )
+        if pruned:
+            assert all(o.stats.tree_size <= 4 for o in outs)
         counts[tuple(t for o in outs for t in o.tokens)] += 1
         accepted += sum(o.stats.accepted for o in outs)
     assert accepted > RUNS // 4, "drafts were rarely accepted: the test would not exercise them"
