@@ -47,11 +47,15 @@ def parse_grid(grid: str) -> list[tuple[int, int]]:
 
 
 def run_bench(
-    model, drafter, prompts, configs, sampling, max_tokens, stop, seed, profile, log
+    model, drafter, prompts, configs, sampling, max_tokens, stop, seed, profile, log, prune=False
 ) -> tuple[dict, list]:
-    """AR and every (W, L) config on every prompt, alternating; returns summary and runs."""
+    """AR and every (W, L) config on every prompt, alternating; returns summary and runs.
+
+    ``prune`` adds a pruned run of each config, with the step cost measured here first.
+    """
     from redrafter_mlx.benchmark import compare, summarize
-    from redrafter_mlx.generate import stream_autoregressive, stream_generate
+    from redrafter_mlx.generate import step_cost, stream_autoregressive, stream_generate
+    from redrafter_mlx.tree_budget import TreeBudget
 
     import mlx.core as mx
 
@@ -66,12 +70,30 @@ def run_bench(
         return run
 
     runners = {"AR (mlx-lm)": seeded(lambda ids: stream_autoregressive(model, ids, **kw))}
+    budgets = {}
     for W, L in configs:
         runners[f"ReDrafter W={W} L={L}"] = seeded(
             lambda ids, W=W, L=L: stream_generate(
                 model, drafter, ids, beam_width=W, beam_length=L, profile=profile, **kw
             )
         )
+        if prune:
+            cost = step_cost(model, drafter, W, L)
+            ratios = " ".join(f"{c / cost[0]:.2f}" for c in cost)
+            log(f"[dim]W={W} L={L}: step cost for 1..{len(cost)} tokens, x one: {ratios}[/dim]")
+            budget = budgets[W, L] = TreeBudget(cost)  # one per config, calibrated as in chat
+            runners[f"ReDrafter W={W} L={L} pruned"] = seeded(
+                lambda ids, W=W, L=L, budget=budget: stream_generate(
+                    model,
+                    drafter,
+                    ids,
+                    beam_width=W,
+                    beam_length=L,
+                    profile=profile,
+                    budget=budget,
+                    **kw,
+                )
+            )
 
     def on_result(r) -> None:
         log(
@@ -80,7 +102,18 @@ def run_bench(
         )
 
     results = compare(prompts, runners, on_result=on_result)
+    for (W, L), budget in budgets.items():
+        log(f"[dim]W={W} L={L} pruned: calibration alpha {budget.alpha:.2f} at the end[/dim]")
     return summarize(results, baseline="AR (mlx-lm)"), results
+
+
+def table_console() -> Console:
+    """Rich assumes 80 columns when stdout is not a terminal, which elides the table's cells;
+    piped or logged, the table gets the width it needs instead."""
+    console = Console()
+    if not console.is_terminal:
+        console.width = 160
+    return console
 
 
 def render(summary: dict, info: dict, title: str, greedy: bool) -> Table:
@@ -90,7 +123,7 @@ def render(summary: dict, info: dict, title: str, greedy: bool) -> Table:
         f"{info['mlx']} · mlx-lm {info['mlx_lm']} · {info['device']} · {info['blas']}",
     )
     table.add_column("", no_wrap=True)
-    for col in ("tokens/s", "speedup", "tokens/step", "accepted ≥1/≥2/≥3", "peak GB"):
+    for col in ("tokens/s", "speedup", "tokens/step", "verified", "accepted ≥1/≥2/≥3", "peak GB"):
         table.add_column(col, justify="right")
     if greedy:
         table.add_column("identical", justify="right")
@@ -101,6 +134,7 @@ def render(summary: dict, info: dict, title: str, greedy: bool) -> Table:
             f"{row['generation_tps']:.2f}",
             f"{row['speedup']:.2f}x",
             f"{row['tokens_per_step']:.2f}",
+            f"{row['tree_tokens']:.1f}",
             acc,
             f"{row['peak_memory_gb']:.2f}",
         ]
@@ -162,6 +196,10 @@ def bench(
     profile: Annotated[
         bool, typer.Option("--profile", help="Time draft/verify per step (adds syncs).")
     ] = False,
+    prune: Annotated[
+        bool,
+        typer.Option("--prune", help="Also run each config pruned to the nodes worth their cost."),
+    ] = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """Measure ReDrafter against mlx-lm's autoregressive decoding on the same prompts."""
@@ -197,12 +235,13 @@ def bench(
             seed,
             profile,
             err.print,
+            prune,
         )
         settings.put(model_dir, "ar_tokens_per_s", summary["AR (mlx-lm)"]["generation_tps"])
         mode = "greedy" if sampling.greedy else f"temp {temp}, top-p {top_p}"
         source = prompts if prompts.startswith("humaneval:") else Path(prompts).name
         title = f"{model_dir.name} · {source} · {max_tokens} tokens · {mode}"
-        Console().print(render(summary, info, title, sampling.greedy))
+        table_console().print(render(summary, info, title, sampling.greedy))
         if sampling.greedy:
             bad = {
                 k: v["mismatched_prompts"] for k, v in summary.items() if v["mismatched_prompts"]
@@ -267,7 +306,7 @@ def tune(
         )
         best = max(configs, key=lambda c: summary[f"ReDrafter W={c[0]} L={c[1]}"]["speedup"])
         row = summary[f"ReDrafter W={best[0]} L={best[1]}"]
-        Console().print(render(summary, machine_info(), f"tune {model_dir.name}", True))
+        table_console().print(render(summary, machine_info(), f"tune {model_dir.name}", True))
         settings.put(
             model_dir, "beam", {"width": best[0], "length": best[1], "speedup": row["speedup"]}
         )

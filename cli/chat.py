@@ -14,6 +14,7 @@ from .common import (
     MinPOpt,
     ModelOpt,
     NoDraftOpt,
+    PruneOpt,
     SeedOpt,
     TempOpt,
     TopKOpt,
@@ -32,15 +33,24 @@ HELP = """[bold]/reset[/bold] forget the conversation  [bold]/stats[/bold] sessi
 class Session:
     """The conversation, and the KV cache of what the model has already read."""
 
-    def __init__(self, llm, tokenizer, drafter, W, L, sampling, max_tokens, system=None):
+    def __init__(
+        self, llm, tokenizer, drafter, W, L, sampling, max_tokens, system=None, prune=False
+    ):
         from redrafter_mlx.beam_search import make_proposer
+        from redrafter_mlx.generate import step_cost
         from redrafter_mlx.llm import TreeLLM
+        from redrafter_mlx.tree_budget import TreeBudget
 
         self.model, self.tokenizer = llm, tokenizer
         self.tree_llm = TreeLLM(llm) if drafter is not None else None
         self.propose = (
-            make_proposer(drafter, self.tree_llm.embed, W, L) if drafter is not None else None
+            make_proposer(drafter, self.tree_llm.embed, W, L, with_scores=prune)
+            if drafter is not None
+            else None
         )
+        # One budget for the session: its calibration carries over from reply to reply.
+        prune = prune and drafter is not None
+        self.budget = TreeBudget(step_cost(llm, drafter, W, L)) if prune else None
         self.sampling, self.max_tokens = sampling, max_tokens
         self.system = system
         self.context = int(getattr(llm.args, "max_position_embeddings", 0) or 0)
@@ -86,6 +96,7 @@ class Session:
                 sampling=self.sampling,
                 stop_tokens=stop,
                 cache=self.cache,
+                budget=self.budget,
             )
         detok = self.tokenizer.detokenizer
         detok.reset()
@@ -138,6 +149,7 @@ def chat(
     seed: SeedOpt = None,
     beam_width: WidthOpt = None,
     beam_length: LengthOpt = None,
+    prune: PruneOpt = False,
     no_draft: NoDraftOpt = False,
     system: Annotated[str | None, typer.Option("--system", help="A system prompt.")] = None,
     verbose: VerboseOpt = False,
@@ -160,7 +172,9 @@ def chat(
         if seed is not None:
             mx.random.seed(seed)
         sampling = SamplingParams(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
-        session = Session(llm, tokenizer, draft_model, W, L, sampling, max_tokens, system)
+        session = Session(
+            llm, tokenizer, draft_model, W, L, sampling, max_tokens, system, prune=prune
+        )
         ar_rate = settings.get(model_dir, "ar_tokens_per_s")
         if ar_rate is None and not no_draft:
             ar_rate = calibrate(llm, tokenizer, console)

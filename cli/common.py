@@ -35,6 +35,13 @@ LengthOpt = Annotated[
     int | None,
     typer.Option("--beam-length", help="Tokens per beam incl. the sure one, L (model default)."),
 ]
+PruneOpt = Annotated[
+    bool,
+    typer.Option(
+        "--prune",
+        help="Measure the verify cost here and verify only the tree nodes worth it.",
+    ),
+]
 NoDraftOpt = Annotated[bool, typer.Option("--no-draft", help="Plain mlx-lm decoding instead.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", help="Show tracebacks on errors.")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace DST if it exists.")]

@@ -14,6 +14,7 @@ from .common import (
     MinPOpt,
     ModelOpt,
     NoDraftOpt,
+    PruneOpt,
     SeedOpt,
     TempOpt,
     TopKOpt,
@@ -44,6 +45,7 @@ def generate(
     seed: SeedOpt = None,
     beam_width: WidthOpt = None,
     beam_length: LengthOpt = None,
+    prune: PruneOpt = False,
     no_draft: NoDraftOpt = False,
     ignore_chat_template: Annotated[
         bool, typer.Option("--ignore-chat-template", help="Feed the prompt as raw text.")
@@ -53,8 +55,9 @@ def generate(
 ) -> None:
     """Generate from a prompt, streaming tokens as they are accepted."""
     with user_errors(verbose):
-        from redrafter_mlx.generate import stream_autoregressive, stream_generate
+        from redrafter_mlx.generate import step_cost, stream_autoregressive, stream_generate
         from redrafter_mlx.loading import load
+        from redrafter_mlx.tree_budget import TreeBudget
         from redrafter_mlx.verification import SamplingParams
 
         import mlx.core as mx
@@ -76,7 +79,10 @@ def generate(
         if no_draft:
             stream = stream_autoregressive(llm, ids, **kw)
         else:
-            stream = stream_generate(llm, draft_model, ids, beam_width=W, beam_length=L, **kw)
+            budget = TreeBudget(step_cost(llm, draft_model, W, L)) if prune else None
+            stream = stream_generate(
+                llm, draft_model, ids, beam_width=W, beam_length=L, budget=budget, **kw
+            )
         detok = tokenizer.detokenizer
         detok.reset()
         tokens: list[int] = []
@@ -99,6 +105,7 @@ def generate(
             seed=seed,
             beam_width=W,
             beam_length=L,
+            prune=prune,
             no_draft=no_draft,
             max_tokens=max_tokens,
         )

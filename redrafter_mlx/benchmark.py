@@ -127,6 +127,7 @@ class RunResult:
     peak_memory_gb: float
     accepted_by_depth: list[int] = field(default_factory=list)
     step_ms: float = 0.0  # mean wall time of a verification step
+    tree_tokens: float = 0.0  # mean tokens verified per step
     phase_ms: dict[str, float] = field(default_factory=dict)  # means, profile=True only
 
 
@@ -155,6 +156,7 @@ def consume(name: str, index: int, stream: Iterator[StepOutput]) -> RunResult:
         peak_memory_gb=summary.peak_memory_gb,
         accepted_by_depth=list(summary.accepted_by_depth),
         step_ms=1000 * statistics.mean(s.time for s in steps) if steps else 0.0,
+        tree_tokens=statistics.mean(s.tree_size for s in steps) if steps else 0.0,
         phase_ms=phase_ms,
     )
 
@@ -212,6 +214,7 @@ def summarize(results: list[RunResult], baseline: str) -> dict[str, dict]:
             "mismatched_prompts": mismatched,
             "acceptance_by_depth": accepted,  # share of steps accepting >= d + 1 drafts
             "step_ms": statistics.median(r.step_ms for r in rs),
+            "tree_tokens": statistics.median(r.tree_tokens for r in rs),
             "phase_ms": {
                 k: statistics.median(r.phase_ms[k] for r in rs) for k in (rs[0].phase_ms or {})
             },

@@ -86,6 +86,10 @@ def test_converted_apple_drafter_and_gguf_llm_run_together(tiny_llm_dir, tmp_pat
     a, b = json.loads(plain.output), json.loads(spec.output)
     assert b["token_ids"] == a["token_ids"] and b["num_tokens"] == len(a["token_ids"]) > 0
     assert b["settings"]["beam_width"] == 3 and b["steps"] >= 1
+    pruned = invoke("generate", *common, "--drafter", drafter, "--beam-width", "3", "--prune")
+    assert pruned.exit_code == 0, pruned.output
+    c = json.loads(pruned.output)
+    assert c["token_ids"] == a["token_ids"] and c["settings"]["prune"] is True
 
 
 def test_convert_llm_refuses_existing_destination(tiny_gguf, tiny_llm_dir):
@@ -285,6 +289,19 @@ def test_bench_grid_table_json_and_heat_map(tiny_llm_dir, random_drafter_dir, tm
     assert result["machine"]["mlx"] and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_bench_prune_adds_a_pruned_run_of_each_config(tiny_llm_dir, random_drafter_dir, tmp_path):
+    prompt, out = tmp_path / "p.txt", tmp_path / "bench.json"
+    prompt.write_text("the cat sat")
+    args = ["--model", tiny_llm_dir, "--drafter", random_drafter_dir, "--prompts", prompt]
+    r = invoke("bench", *args, "-m", "10", "--grid", "2x3", "--prune", "--out", out)
+    assert r.exit_code == 0, r.output
+    assert "step cost for 1..5 tokens" in r.output and "pruned" in r.output
+    summary = json.loads(out.read_text())["summary"]
+    assert set(summary) == {"AR (mlx-lm)", "ReDrafter W=2 L=3", "ReDrafter W=2 L=3 pruned"}
+    assert summary["ReDrafter W=2 L=3 pruned"]["identical_to_baseline"] == 1
+    assert 1 <= summary["ReDrafter W=2 L=3 pruned"]["tree_tokens"] <= 5
+
+
 def test_bench_text_file_sampling_and_profile(tiny_llm_dir, random_drafter_dir, tmp_path):
     prompt = tmp_path / "p.txt"
     prompt.write_text("the cat sat")
@@ -371,11 +388,13 @@ def test_chat_reuses_the_cache_and_matches_plain_decoding(tiny_llm_dir, random_d
     model, tokenizer, _ = load(tiny_llm_dir)
     drafter = Drafter.from_pretrained(random_drafter_dir)
     spec = Session(model, tokenizer, drafter, 2, 3, SamplingParams(), 8)
+    pruned = Session(model, tokenizer, drafter, 2, 3, SamplingParams(), 8, prune=True)
     plain = Session(model, tokenizer, None, 2, 3, SamplingParams(), 8)
+    assert pruned.budget is not None and spec.budget is None
     for turn in ("the cat", "def f(x):", "sat"):
         a = "".join(spec.reply(turn))
         b = "".join(plain.reply(turn))
-        assert a == b
+        assert a == b == "".join(pruned.reply(turn))
         if turn != "the cat":
             assert spec.last.prompt_tokens < len(spec.prompt_ids())  # only the new part fed
     assert spec.messages == plain.messages
