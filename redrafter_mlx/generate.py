@@ -218,10 +218,11 @@ def _redrafter_steps(
     gen_start = time.perf_counter()
     while True:
         t0 = time.perf_counter()
-        tree = pack_beams(np.array(beams))
-        if budget is not None:
-            tree, pruned = budget.prune(tree, np.array(beams), np.array(scores))
-            beams = mx.array(pruned)
+        drafted = np.array(beams)
+        tree = pack_beams(drafted)
+        if budget is not None:  # verify only the nodes worth it; the rest become NO_TOKEN
+            tree, drafted = budget.prune(tree, drafted, np.array(scores))
+            beams = mx.array(drafted)
         hidden = llm.hidden_states(
             mx.array(tree.tokens),
             cache,
