@@ -42,6 +42,10 @@ def train(
     head_init: Annotated[
         str, opt("--head-init", "random, or llm: start from the LLM's output layer.")
     ] = "random",
+    init_drafter: Annotated[
+        Path | None,
+        opt("--init-drafter", "Go on training this drafter (keeps its draft vocabulary)."),
+    ] = None,
     seed: Annotated[int, opt("--seed", "Seed for prompts, init and shuffling.")] = 0,
     checkpoint_every: Annotated[int, opt("--checkpoint-every", "Steps between checkpoints.")] = 200,
     resume: Annotated[bool, opt("--resume", "Continue from the last checkpoint.")] = False,
@@ -86,6 +90,7 @@ def train(
             final_vocab=final_vocab or None,
             prompts_file=str(prompts) if prompts else None,
             answered_only=answered_only,
+            init_drafter=str(init_drafter) if init_drafter else None,
             dtype=dtype,
             train=cfg,
         )

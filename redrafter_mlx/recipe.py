@@ -33,6 +33,7 @@ from .training import (
     Example,
     TrainConfig,
     choose_draft_vocab,
+    drafter_to_finetune,
     evaluate,
     init_head_from_llm,
     new_drafter,
@@ -75,6 +76,7 @@ class Recipe:
     final_vocab: int | None = None  # shrink the trained draft vocab to this size before saving
     prompts_file: str | None = None  # a JSONL of prompts/texts instead of the stdlib corpus
     answered_only: bool = False  # train on the prompts the data folder has answered; add none
+    init_drafter: str | None = None  # go on training this drafter (its weights and vocabulary)
     dtype: str = "float16"  # of the saved drafter
     eval_width: int = 4
     eval_length: int = 5
@@ -177,12 +179,22 @@ def run(
     eval_ids = held_out_ids(examples, recipe.held_out)
     train_ex = [e for i, e in examples.items() if i not in eval_ids]
     eval_ex = [examples[i] for i in eval_ids]
-    vocab, _ = choose_draft_vocab(train_ex, recipe.draft_vocab, vocab_size)
+    cfg = recipe.train
+    if recipe.init_drafter:
+        if cfg.head_init == "llm":
+            raise ValueError(
+                "head_init='llm' starts a new drafter, but init_drafter continues one: "
+                "drop --head-init llm or --init-drafter"
+            )
+        drafter = drafter_to_finetune(recipe.init_drafter, cfg, hidden_size, vocab_size)
+        vocab = drafter.config.draft_vocab
+        log(f"continuing {recipe.init_drafter} (its draft vocabulary is kept)")
+    else:
+        vocab, _ = choose_draft_vocab(train_ex, recipe.draft_vocab, vocab_size)
+        drafter = new_drafter(cfg, hidden_size, vocab_size, vocab)
     coverage, eval_cover = vocab_coverage(vocab, train_ex, eval_ex, vocab_size, "draft vocab", log)
 
     llm = TreeLLM(model)
-    cfg = recipe.train
-    drafter = new_drafter(cfg, hidden_size, vocab_size, vocab)
     llm_rows = None  # the LLM's output rows of the draft vocab, for the KL term and the init
     if cfg.kl_weight > 0 or cfg.head_init == "llm":
         llm_rows = adapter_for(model).output_embeddings(model)

@@ -234,6 +234,27 @@ def new_drafter(cfg: TrainConfig, hidden: int, vocab: int, draft_vocab: list[int
     return drafter
 
 
+def drafter_to_finetune(path: str | Path, cfg: TrainConfig, hidden: int, vocab: int) -> Drafter:
+    """A trained drafter to go on training (on more data), in float32, with its own draft
+    vocabulary: its rows keep their meaning, so the vocabulary cannot be re-chosen."""
+    drafter = Drafter.from_pretrained(path)
+    c = drafter.config
+    if (c.hidden_size, c.vocab_size) != (hidden, vocab):
+        raise ValueError(
+            f"{path}: a drafter for hidden size {c.hidden_size} and vocabulary {c.vocab_size}, "
+            f"but this LLM has {hidden} and {vocab}; pass a drafter trained for this LLM"
+        )
+    if (c.num_draft_layers, c.rnn) != (cfg.num_draft_layers, cfg.rnn):
+        flags = f"--num-draft-layers {c.num_draft_layers}" + ("" if c.rnn else " --no-rnn")
+        raise ValueError(
+            f"{path} has {c.num_draft_layers} ResNet block(s) and rnn={c.rnn}, but training "
+            f"asks for {cfg.num_draft_layers} and rnn={cfg.rnn}; pass {flags}"
+        )
+    drafter.set_dtype(mx.float32)
+    mx.eval(drafter.parameters())
+    return drafter
+
+
 def init_head_from_llm(drafter: Drafter, llm_rows: mx.array) -> None:
     """Start the drafter where the LLM is: output rows acting on ``h`` copied from the LLM's
     output layer (``llm_rows`` [V_d, H], in draft-vocab order), the residual blocks zeroed

@@ -225,6 +225,43 @@ def test_train_smoke_run_then_generate(tiny_llm_dir, tmp_path):
     assert json.loads(spec.output)["token_ids"] == plain["token_ids"]
 
 
+def test_train_init_drafter_continues_a_trained_drafter(tiny_llm_dir, tmp_path):
+    """`--init-drafter` starts from the given drafter's weights and keeps its vocabulary."""
+    first, work = tmp_path / "first", tmp_path / "work"
+    r = invoke(*train_args(tiny_llm_dir, first, work), "--max-steps", "3")
+    assert r.exit_code == 0, r.output
+    # Zero further steps: the written drafter is the one it started from, although the
+    # vocabulary the data would choose (--draft-vocab 32) differs.
+    again = tmp_path / "again"
+    args = (*train_args(tiny_llm_dir, again, work), "--draft-vocab", "32")
+    r = invoke(*args, "--init-drafter", first, "--max-steps", "0")
+    assert r.exit_code == 0, r.output
+    assert "continuing" in r.output
+
+    def load(folder: Path) -> dict:
+        return mx.load(str(folder / "model.safetensors"))
+
+    def config(folder: Path) -> dict:
+        return json.loads((folder / "config.json").read_text())
+
+    before, after = load(first), load(again)
+    assert before.keys() == after.keys()
+    for k in before:
+        np.testing.assert_array_equal(np.array(after[k]), np.array(before[k]))
+    assert config(again)["draft_vocab"] == config(first)["draft_vocab"]
+    # Further steps move it from there.
+    more = tmp_path / "more"
+    r = invoke(*train_args(tiny_llm_dir, more, work), "--init-drafter", first, "--max-steps", "2")
+    assert r.exit_code == 0, r.output
+    moved = load(more)
+    assert any(not np.array_equal(np.array(moved[k]), np.array(before[k])) for k in before)
+    # A drafter of another shape: an error that names the flag to pass.
+    r = invoke(*args, "--init-drafter", first, "--num-draft-layers", "1")
+    assert r.exit_code == 1 and "--num-draft-layers 2" in r.output, r.output
+    r = invoke(*args, "--init-drafter", first, "--head-init", "llm")
+    assert r.exit_code == 1 and "--head-init llm" in r.output, r.output
+
+
 @pytest.fixture(scope="module")
 def random_drafter_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("drafter") / "random"
