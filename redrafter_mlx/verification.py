@@ -71,12 +71,68 @@ def sampling_logits(logits: mx.array, params: SamplingParams) -> mx.array:
     return logprobs * (1.0 / params.temp)
 
 
-def node_targets(logits: mx.array, params: SamplingParams) -> mx.array:
-    """One target token per tree node. logits: [n, V] -> [n] int32."""
+NUCLEUS_CANDIDATES = 1024  # the likeliest tokens a top-p nucleus is looked for among
+
+
+def nucleus(
+    logprobs: mx.array, top_p: float, candidates: int = NUCLEUS_CANDIDATES
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """mlx-lm's top-p set, found among the ``candidates`` likeliest tokens of each row.
+
+    ``apply_top_p`` sorts the whole vocabulary, which costs more than a forward's LM head on
+    the CPU (~10 ms for 152k tokens); a nucleus at top-p 0.95 usually holds a few tokens.
+    Same rule on the k largest, sorted descending: token j (1-based) is kept while the mass
+    of the j - 1 tokens above it is below ``top_p`` times the total, and every token at least
+    as likely as the last one kept is kept. That decides the row exactly unless the nucleus
+    may reach past the k candidates: all k kept, or the last kept tied with the k-th.
+
+    logprobs: [n, V]. Returns ids [n, k] (likeliest first), their logprobs [n, k], keep [n, k]
+    and exact [n] (the row's nucleus is ``ids[keep]``; elsewhere fall back to the full sort).
+    """
+    V = logprobs.shape[-1]
+    k = min(candidates, V)
+    ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+    vals = mx.take_along_axis(logprobs, ids, axis=-1)
+    order = mx.argsort(-vals, axis=-1)
+    ids, vals = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
+    probs = mx.exp(vals.astype(mx.float32))
+    total = mx.exp(logprobs.astype(mx.float32)).sum(axis=-1, keepdims=True)
+    mass_above = mx.cumsum(probs, axis=-1, inclusive=False)
+    n_kept = (mass_above < top_p * total).sum(axis=-1, keepdims=True)  # >= 1: the top token
+    threshold = mx.take_along_axis(vals, n_kept - 1, axis=-1)
+    keep = vals >= threshold
+    exact = (n_kept[:, 0] < k) & (threshold[:, 0] > vals[:, -1])
+    if k == V:
+        exact = mx.ones_like(exact)
+    return ids, vals, keep, exact
+
+
+def sample_rows(
+    logits: mx.array, params: SamplingParams, candidates: int = NUCLEUS_CANDIDATES
+) -> mx.array:
+    """One draw per row from mlx-lm's processed distribution. logits: [n, V] -> [n] int32.
+
+    With top-p alone (no min-p, no top-k) the draw is made among the nucleus's candidates
+    (:func:`nucleus`); rows it cannot decide exactly are drawn again the full way. Whether a
+    row falls back depends on its logits only, never on the draw, so the law is unchanged.
+    """
     if params.greedy:  # argmax of the log-probabilities, as mlx-lm's greedy sampler takes it
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return mx.argmax(logprobs, axis=-1).astype(mx.int32)
+    if 0 < params.top_p < 1.0 and params.min_p == 0.0 and params.top_k == 0:
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        ids, vals, keep, exact = nucleus(logprobs, params.top_p, candidates)
+        z = mx.where(keep, vals * (1.0 / params.temp), -float("inf"))
+        draw = mx.take_along_axis(ids, mx.random.categorical(z, axis=-1)[:, None], axis=-1)
+        mx.eval(draw, exact)
+        if exact.all().item():
+            return draw[:, 0].astype(mx.int32)
     return mx.random.categorical(sampling_logits(logits, params), axis=-1).astype(mx.int32)
+
+
+def node_targets(logits: mx.array, params: SamplingParams) -> mx.array:
+    """One target token per tree node. logits: [n, V] -> [n] int32."""
+    return sample_rows(logits, params)
 
 
 def walk_targets(
@@ -96,8 +152,7 @@ def walk_targets(
     targets = [-1] * len(children)
     node = 0
     while node is not None:
-        row = sampling_logits(logits[node : node + 1], params)
-        targets[node] = int(mx.random.categorical(row, axis=-1).item())
+        targets[node] = int(sample_rows(logits[node : node + 1], params).item())
         node = children[node].get(targets[node])
     return mx.array(targets, dtype=mx.int32)
 

@@ -12,6 +12,8 @@ from redrafter_mlx.verification import (
     SamplingParams,
     accept,
     node_targets,
+    nucleus,
+    sample_rows,
     sampling_logits,
     walk_targets,
 )
@@ -19,6 +21,9 @@ from redrafter_mlx.verification import (
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx_lm.sample_utils import apply_top_p
 from scipy.stats import chisquare
 from tiny_models import tiny_drafter, tiny_llm
 
@@ -174,3 +179,78 @@ def test_walk_targets_draw_only_along_the_walk():
         b.beam.item(),
         b.tokens.tolist(),
     )
+
+
+# top-p values no cumulative share of these small rows lands on (a tie there is decided by
+# float rounding, differently by any two summation orders)
+TOP_PS = [0.37, 0.618, 0.83, 0.911, 0.953, 0.987]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.integers(1, 4).flatmap(
+        lambda n: st.integers(1, 48).flatmap(
+            lambda v: st.lists(
+                st.lists(
+                    st.sampled_from([-9.0, -2.0, 0.0, 0.5, 1.0, 3.0, 7.5]), min_size=v, max_size=v
+                )
+                | st.lists(st.floats(-8, 8, width=32), min_size=v, max_size=v),
+                min_size=n,
+                max_size=n,
+            )
+        )
+    ),
+    top_p=st.sampled_from(TOP_PS),
+    candidates=st.integers(1, 64),
+)
+def test_nucleus_is_mlx_lms_top_p_set_where_it_says_exact(rows, top_p, candidates):
+    """Ties included: a row marked exact keeps exactly the tokens apply_top_p keeps."""
+    logits = mx.array(np.array(rows, dtype=np.float32))
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    ids, vals, keep, exact = nucleus(logprobs, top_p, candidates)
+    want = np.array(apply_top_p(logprobs, top_p)) > -np.inf
+    ids, vals, keep = np.array(ids), np.array(vals), np.array(keep)
+    assert np.all(np.diff(vals, axis=-1) <= 0)  # likeliest first
+    for r, ok in enumerate(np.array(exact)):
+        if candidates >= logits.shape[-1]:
+            assert ok  # every token is a candidate
+        if ok:
+            assert sorted(ids[r][keep[r]].tolist()) == np.flatnonzero(want[r]).tolist()
+
+
+def test_nucleus_decides_peaked_rows_and_defers_flat_ones():
+    rng = np.random.default_rng(0)
+    peaked = rng.normal(size=(1, 5000)).astype(np.float32)
+    peaked[0, :3] += 30  # three tokens hold nearly all the mass
+    flat = rng.normal(size=(1, 5000)).astype(np.float32)
+    logits = mx.array(np.concatenate([peaked, flat]))
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    ids, _, keep, exact = nucleus(logprobs, 0.95, 64)
+    assert np.array(exact).tolist() == [True, False]
+    assert set(np.array(ids)[0][np.array(keep)[0]].tolist()) <= {0, 1, 2}
+
+
+@pytest.mark.parametrize("shape", ["peaked", "flat"])
+def test_sample_rows_follows_mlx_lms_law(shape):
+    """The nucleus fast path (peaked: decided among 8 candidates) and its fallback (flat: the
+    nucleus is wider than 8) both draw from mlx-lm's processed distribution."""
+    rng = np.random.default_rng(1)
+    row = rng.normal(size=40).astype(np.float32)
+    if shape == "peaked":
+        row[[3, 17, 29]] += [6.0, 5.5, 5.0]
+    params = SamplingParams(temp=0.7, top_p=0.9)
+    lp = mx.array(row[None]) - mx.logsumexp(mx.array(row[None]), axis=-1, keepdims=True)
+    assert bool(nucleus(lp, params.top_p, 8)[3].item()) == (shape == "peaked")
+    mx.random.seed(7)
+    n = 20_000
+    draws = np.array(sample_rows(mx.array(np.tile(row, (n, 1))), params, candidates=8))
+    law = np_processed_probs(row, params)
+    assert not set(draws.tolist()) - set(np.flatnonzero(law > 0).tolist())
+    seen = law * n >= 5
+    obs = np.bincount(draws, minlength=40)
+    exp = law * n
+    obs = np.append(obs[seen], obs[~seen].sum())
+    exp = np.append(exp[seen], exp[~seen].sum())
+    keep = exp > 0
+    p = chisquare(obs[keep], exp[keep] * obs.sum() / exp[keep].sum()).pvalue
+    assert p > 1e-3, p
