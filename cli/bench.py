@@ -102,9 +102,12 @@ def run_bench(
         )
 
     results = compare(prompts, runners, on_result=on_result)
+    summary = summarize(results, baseline="AR (mlx-lm)")
     for (W, L), budget in budgets.items():
         log(f"[dim]W={W} L={L} pruned: calibration alpha {budget.alpha:.2f} at the end[/dim]")
-    return summarize(results, baseline="AR (mlx-lm)"), results
+        row = summary[f"ReDrafter W={W} L={L} pruned"]
+        row["step_cost"], row["alpha"] = list(budget.step_cost), budget.alpha
+    return summary, results
 
 
 def table_console() -> Console:
@@ -279,9 +282,13 @@ def tune(
     prompts: PromptsOpt = "humaneval:0-4",
     max_tokens: MaxTokensOpt = 64,
     grid: Annotated[str, typer.Option("--grid", help="W x L candidates.")] = "1,2,4x3,4,5,6",
+    prune: Annotated[
+        bool, typer.Option("--prune/--no-prune", help="Also try each shape pruned.")
+    ] = True,
     verbose: VerboseOpt = False,
 ) -> None:
-    """Find the fastest beam shape (W, L) for this model on this machine and keep it."""
+    """Find the fastest beam shape (W, L), pruned or not, for this model on this machine and
+    keep it (with the step cost measured for pruning) as the default of chat and generate."""
     with user_errors(verbose):
         from redrafter_mlx import settings
         from redrafter_mlx.benchmark import load_prompts, machine_info
@@ -303,15 +310,25 @@ def tune(
             None,
             False,
             err.print,
+            prune=prune,
         )
-        best = max(configs, key=lambda c: summary[f"ReDrafter W={c[0]} L={c[1]}"]["speedup"])
-        row = summary[f"ReDrafter W={best[0]} L={best[1]}"]
+        candidates = [
+            (W, L, pruned) for W, L in configs for pruned in ((False, True) if prune else (False,))
+        ]
+
+        def name(W: int, L: int, pruned: bool) -> str:
+            return f"ReDrafter W={W} L={L}" + (" pruned" if pruned else "")
+
+        best = max(candidates, key=lambda c: summary[name(*c)]["speedup"])
+        row = summary[name(*best)]
         table_console().print(render(summary, machine_info(), f"tune {model_dir.name}", True))
-        settings.put(
-            model_dir, "beam", {"width": best[0], "length": best[1], "speedup": row["speedup"]}
-        )
+        beam = {"width": best[0], "length": best[1], "speedup": row["speedup"]}
+        beam |= {"prune": best[2], "drafter": str(Path(drafter_dir).resolve())}
+        if best[2]:
+            beam |= {"step_cost": row["step_cost"], "alpha": row["alpha"]}
+        settings.put(model_dir, "beam", beam)
         settings.put(model_dir, "ar_tokens_per_s", summary["AR (mlx-lm)"]["generation_tps"])
         err.print(
-            f"fastest: W={best[0]} L={best[1]} ({row['speedup']:.2f}x); stored as the "
+            f"fastest: {name(*best)} ({row['speedup']:.2f}x); stored as the "
             f"default for {model_dir.name} on this machine"
         )

@@ -23,6 +23,7 @@ from .common import (
     WidthOpt,
     defaults,
     resolve,
+    tree_budget,
     user_errors,
 )
 
@@ -34,23 +35,20 @@ class Session:
     """The conversation, and the KV cache of what the model has already read."""
 
     def __init__(
-        self, llm, tokenizer, drafter, W, L, sampling, max_tokens, system=None, prune=False
+        self, llm, tokenizer, drafter, W, L, sampling, max_tokens, system=None, budget=None
     ):
         from redrafter_mlx.beam_search import make_proposer
-        from redrafter_mlx.generate import step_cost
         from redrafter_mlx.llm import TreeLLM
-        from redrafter_mlx.tree_budget import TreeBudget
 
         self.model, self.tokenizer = llm, tokenizer
         self.tree_llm = TreeLLM(llm) if drafter is not None else None
         self.propose = (
-            make_proposer(drafter, self.tree_llm.embed, W, L, with_scores=prune)
+            make_proposer(drafter, self.tree_llm.embed, W, L, with_scores=budget is not None)
             if drafter is not None
             else None
         )
         # One budget for the session: its calibration carries over from reply to reply.
-        prune = prune and drafter is not None
-        self.budget = TreeBudget(step_cost(llm, drafter, W, L)) if prune else None
+        self.budget = budget if drafter is not None else None
         self.sampling, self.max_tokens = sampling, max_tokens
         self.system = system
         self.context = int(getattr(llm.args, "max_position_embeddings", 0) or 0)
@@ -149,7 +147,7 @@ def chat(
     seed: SeedOpt = None,
     beam_width: WidthOpt = None,
     beam_length: LengthOpt = None,
-    prune: PruneOpt = False,
+    prune: PruneOpt = None,
     no_draft: NoDraftOpt = False,
     system: Annotated[str | None, typer.Option("--system", help="A system prompt.")] = None,
     verbose: VerboseOpt = False,
@@ -172,14 +170,17 @@ def chat(
         if seed is not None:
             mx.random.seed(seed)
         sampling = SamplingParams(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
+        budget = tree_budget(model_dir, drafter_dir, llm, draft_model, W, L, prune)
         session = Session(
-            llm, tokenizer, draft_model, W, L, sampling, max_tokens, system, prune=prune
+            llm, tokenizer, draft_model, W, L, sampling, max_tokens, system, budget=budget
         )
         ar_rate = settings.get(model_dir, "ar_tokens_per_s")
         if ar_rate is None and not no_draft:
             ar_rate = calibrate(llm, tokenizer, console)
             settings.put(model_dir, "ar_tokens_per_s", ar_rate)
     mode = "plain decoding" if no_draft else f"ReDrafter W={W} L={L}"
+    if budget is not None:
+        mode += " pruned"
     console.print(f"[bold]{model_dir.name}[/bold] · {mode} · type /help for commands")
     while True:
         try:

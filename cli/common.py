@@ -36,10 +36,11 @@ LengthOpt = Annotated[
     typer.Option("--beam-length", help="Tokens per beam incl. the sure one, L (model default)."),
 ]
 PruneOpt = Annotated[
-    bool,
+    bool | None,
     typer.Option(
-        "--prune",
-        help="Measure the verify cost here and verify only the tree nodes worth it.",
+        "--prune/--no-prune",
+        help="Verify only the tree nodes worth their cost here (default: as `tune` found).",
+        show_default=False,
     ),
 ]
 NoDraftOpt = Annotated[bool, typer.Option("--no-draft", help="Plain mlx-lm decoding instead.")]
@@ -109,6 +110,33 @@ def defaults(model_dir, entry, beam_width, beam_length) -> tuple[int, int]:
     W = beam_width or tuned.get("width") or (entry.beam_width if entry else 4)
     L = beam_length or tuned.get("length") or (entry.beam_length if entry else 5)
     return W, L
+
+
+def tree_budget(model_dir, drafter_dir, llm, drafter, W: int, L: int, prune: bool | None):
+    """The TreeBudget to generate with, or None (no pruning).
+
+    ``prune`` None (no flag): prune when `tune` found it fastest for this model, shape and
+    drafter on this machine, with the step cost and calibration it measured. True: that
+    stored cost if there is one, else the cost measured now (~1-2 s). False: never.
+    """
+    from redrafter_mlx import settings
+    from redrafter_mlx.generate import step_cost
+    from redrafter_mlx.tree_budget import TreeBudget
+
+    if prune is False or drafter is None:
+        return None
+    tuned = settings.get(model_dir, "beam") or {}
+    same = (tuned.get("width"), tuned.get("length"), tuned.get("drafter")) == (
+        W,
+        L,
+        str(Path(drafter_dir).resolve()),
+    )
+    stored = tuned.get("step_cost") if same else None  # only there when tune chose pruning
+    if stored:
+        return TreeBudget(stored, alpha=tuned.get("alpha", 1.0))
+    if prune:
+        return TreeBudget(step_cost(llm, drafter, W, L))
+    return None
 
 
 def read_prompt(prompt: str) -> str:

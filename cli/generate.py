@@ -25,6 +25,7 @@ from .common import (
     err,
     read_prompt,
     resolve,
+    tree_budget,
     user_errors,
 )
 
@@ -45,7 +46,7 @@ def generate(
     seed: SeedOpt = None,
     beam_width: WidthOpt = None,
     beam_length: LengthOpt = None,
-    prune: PruneOpt = False,
+    prune: PruneOpt = None,
     no_draft: NoDraftOpt = False,
     ignore_chat_template: Annotated[
         bool, typer.Option("--ignore-chat-template", help="Feed the prompt as raw text.")
@@ -55,9 +56,8 @@ def generate(
 ) -> None:
     """Generate from a prompt, streaming tokens as they are accepted."""
     with user_errors(verbose):
-        from redrafter_mlx.generate import step_cost, stream_autoregressive, stream_generate
+        from redrafter_mlx.generate import stream_autoregressive, stream_generate
         from redrafter_mlx.loading import load
-        from redrafter_mlx.tree_budget import TreeBudget
         from redrafter_mlx.verification import SamplingParams
 
         import mlx.core as mx
@@ -76,10 +76,11 @@ def generate(
         else:
             ids = tokenizer.encode(text)
         kw = dict(max_tokens=max_tokens, sampling=sampling, stop_tokens=tokenizer.eos_token_ids)
+        budget = None
         if no_draft:
             stream = stream_autoregressive(llm, ids, **kw)
         else:
-            budget = TreeBudget(step_cost(llm, draft_model, W, L)) if prune else None
+            budget = tree_budget(model_dir, drafter_dir, llm, draft_model, W, L, prune)
             stream = stream_generate(
                 llm, draft_model, ids, beam_width=W, beam_length=L, budget=budget, **kw
             )
@@ -105,7 +106,7 @@ def generate(
             seed=seed,
             beam_width=W,
             beam_length=L,
-            prune=prune,
+            prune=budget is not None,
             no_draft=no_draft,
             max_tokens=max_tokens,
         )

@@ -98,11 +98,17 @@ class TreeBudget:
     generated tokens are unchanged.
     """
 
-    def __init__(self, step_cost: Sequence[float], window: int = 1024, refit_every: int = 8):
+    def __init__(
+        self,
+        step_cost: Sequence[float],
+        window: int = 1024,
+        refit_every: int = 8,
+        alpha: float = 1.0,  # the calibration to start from (an earlier run's fit)
+    ):
         if not step_cost or min(step_cost) <= 0:
             raise ValueError(f"step_cost must list positive seconds per size, got {step_cost}")
         self.step_cost = list(step_cost)
-        self.alpha = 1.0
+        self.alpha = alpha
         self._seen: deque[tuple[float, bool]] = deque(maxlen=window)
         self._steps, self._refit_every = 0, refit_every
         self._verified = np.zeros(1)  # path log-prob of each node of the verified tree

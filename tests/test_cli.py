@@ -385,6 +385,12 @@ def test_tune_stores_the_fastest_shape(tiny_llm_dir, random_drafter_dir, tmp_pat
     settings = json.loads((tmp_path / "settings.json").read_text())
     (beam,) = [v["beam"] for v in settings.values()]
     assert beam["width"] in (1, 2) and beam["length"] == 2
+    assert "pruned" in r.output  # pruned variants were tried
+    assert beam["drafter"] == str(random_drafter_dir.resolve())
+    if beam["prune"]:  # the cost it measured, one entry per tree size, kept for chat/generate
+        assert len(beam["step_cost"]) == 1 + beam["width"] and beam["alpha"] > 0
+    else:
+        assert "step_cost" not in beam
     r = invoke(
         "generate",
         "--model",
@@ -418,6 +424,7 @@ def test_chat_reuses_the_cache_and_matches_plain_decoding(tiny_llm_dir, random_d
     """Turn 2 feeds only the new tokens, and every reply equals plain decoding's."""
     from redrafter_mlx.drafter import Drafter
     from redrafter_mlx.loading import load
+    from redrafter_mlx.tree_budget import TreeBudget
     from redrafter_mlx.verification import SamplingParams
 
     from redrafter_cli.chat import Session
@@ -425,7 +432,8 @@ def test_chat_reuses_the_cache_and_matches_plain_decoding(tiny_llm_dir, random_d
     model, tokenizer, _ = load(tiny_llm_dir)
     drafter = Drafter.from_pretrained(random_drafter_dir)
     spec = Session(model, tokenizer, drafter, 2, 3, SamplingParams(), 8)
-    pruned = Session(model, tokenizer, drafter, 2, 3, SamplingParams(), 8, prune=True)
+    budget = TreeBudget([1.0, 1.1, 1.2, 2.0, 2.1])
+    pruned = Session(model, tokenizer, drafter, 2, 3, SamplingParams(), 8, budget=budget)
     plain = Session(model, tokenizer, None, 2, 3, SamplingParams(), 8)
     assert pruned.budget is not None and spec.budget is None
     for turn in ("the cat", "def f(x):", "sat"):
@@ -454,3 +462,44 @@ def test_float16_drafter_computes_in_the_llms_dtype(tiny_llm_dir, tmp_path):
     for name, w in tree_flatten(drafter.parameters()):
         assert w.dtype == mx.float32
         assert mx.array_equal(w, stored[name].astype(mx.float32)), name
+
+
+def test_chat_and_generate_prune_as_tune_found(
+    tiny_llm_dir, random_drafter_dir, tmp_path, monkeypatch
+):
+    """No flag: prune with tune's stored cost when it chose pruning for this shape and drafter;
+    --prune: that cost, else one measured now; --no-prune, another shape or drafter: none."""
+    from redrafter_mlx import settings
+    from redrafter_mlx.drafter import Drafter
+    from redrafter_mlx.loading import load
+
+    from redrafter_cli.common import tree_budget
+
+    monkeypatch.setenv("REDRAFTER_HOME", str(tmp_path))
+    model, _, _ = load(tiny_llm_dir)
+    drafter = Drafter.from_pretrained(random_drafter_dir)
+    cost = [1.0, 1.0, 9.0, 9.0, 9.0]  # verifying a third token never pays
+    beam = {"width": 2, "length": 3, "speedup": 1.2, "prune": True, "alpha": 1.7}
+    settings.put(
+        tiny_llm_dir,
+        "beam",
+        beam | {"drafter": str(random_drafter_dir.resolve()), "step_cost": cost},
+    )
+
+    def budget(W=2, L=3, prune=None, drafter_dir=random_drafter_dir):
+        return tree_budget(tiny_llm_dir, drafter_dir, model, drafter, W, L, prune)
+
+    b = budget()
+    assert b.step_cost == cost and b.alpha == 1.7
+    assert budget(prune=True).step_cost == cost
+    assert budget(prune=False) is None and budget(W=1) is None
+    assert budget(drafter_dir=Path(random_drafter_dir).parent) is None
+    measured = budget(W=1, prune=True)
+    assert len(measured.step_cost) == 3 and measured.step_cost != cost[:3]
+    common = ("--model", tiny_llm_dir, "--prompt", "the cat", "-m", "10", "--json")
+    plain = json.loads(invoke("generate", *common, "--no-draft").output)
+    for flags, pruned in [((), True), (("--no-prune",), False), (("--beam-width", "1"), False)]:
+        r = invoke("generate", *common, "--drafter", random_drafter_dir, *flags)
+        assert r.exit_code == 0, r.output
+        out = json.loads(r.output)
+        assert out["settings"]["prune"] is pruned and out["token_ids"] == plain["token_ids"]
