@@ -1,0 +1,122 @@
+"""What drawing the verification targets costs: the full top-p sort vs the nucleus shortcut.
+
+Each verification step draws one target per tree node from the LLM's processed distribution.
+mlx-lm's ``apply_top_p`` sorts the whole vocabulary per row; ``verification.sample_rows`` looks
+for the nucleus among the 1024 likeliest tokens and falls back to the full sort only when that
+cannot decide a row exactly. This times both on real logits: the LLM's rows over its own
+greedy answers to HumanEval prompts, in groups of n rows (a tree of n nodes), and reports the
+median per group, their ratio, and how many rows the shortcut decided. Writes JSON.
+
+    python bench/sampling.py --model ~/.cache/redrafter-mlx/models/qwen2.5-coder-0.5b-instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import redrafter_mlx  # noqa: F401  (first: loads MKL or OpenBLAS on Linux)
+from redrafter_mlx.benchmark import humaneval_prompts, machine_info, write_json
+from redrafter_mlx.loading import load
+from redrafter_mlx.verification import (
+    NUCLEUS_CANDIDATES,
+    SamplingParams,
+    nucleus,
+    sample_rows,
+    sampling_logits,
+)
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+
+def answer_logits(model, tokenizer, prompt: str, tokens: int) -> mx.array:
+    """The LLM's logits [tokens, V] at each position of its own greedy answer to ``prompt``."""
+    ids = tokenizer.encode(prompt)
+
+    def greedy(x: mx.array) -> mx.array:
+        return mx.argmax(x, axis=-1)
+
+    answer = [
+        int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=tokens, sampler=greedy)
+    ]
+    logits = model(mx.array(ids + answer)[None])[0, len(ids) - 1 : -1]
+    mx.eval(logits)
+    return logits
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompts", default="0-4", help="HumanEval problems")
+    ap.add_argument("--answer-tokens", type=int, default=48)
+    ap.add_argument("--sizes", default="1,2,4", help="rows drawn together (tree nodes)")
+    ap.add_argument("--temp", type=float, default=0.7)
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--out", default="bench/results/sampling.json")
+    args = ap.parse_args()
+
+    model, tokenizer, _ = load(args.model)
+    params = SamplingParams(temp=args.temp, top_p=args.top_p)
+    rows = mx.concatenate(
+        [
+            answer_logits(model, tokenizer, p, args.answer_tokens)
+            for p in humaneval_prompts(args.prompts)
+        ]
+    )
+    logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+    ids, _, keep, exact = nucleus(logprobs, args.top_p)
+    sizes = keep.sum(axis=-1)
+    mx.eval(sizes, exact)
+    nucleus_sizes = sorted(sizes.tolist())
+
+    def full(x: mx.array) -> mx.array:  # what mlx-lm's sampler does, row by row
+        return mx.random.categorical(sampling_logits(x, params), axis=-1)
+
+    def timed(fn, n: int) -> float:
+        times = []
+        for s in range(0, rows.shape[0] - n + 1, n):
+            x = rows[s : s + n]
+            mx.eval(x)
+            tic = time.perf_counter()
+            mx.eval(fn(x, params) if fn is sample_rows else fn(x))
+            times.append(time.perf_counter() - tic)
+        return statistics.median(times[1:]) * 1e3  # the first call warms up
+
+    mx.random.seed(0)
+    results = []
+    for n in [int(s) for s in args.sizes.split(",")]:
+        full_ms, fast_ms = timed(full, n), timed(sample_rows, n)
+        results.append(
+            {"rows": n, "full_ms": full_ms, "nucleus_ms": fast_ms, "ratio": full_ms / fast_ms}
+        )
+
+    info = machine_info()
+    decided = sum(exact.tolist())
+    print(f"machine: {info}")
+    print(
+        f"{rows.shape[0]} rows, vocabulary {rows.shape[1]}, T={args.temp} top-p {args.top_p}; "
+        f"nucleus size median {statistics.median(nucleus_sizes)}, max {nucleus_sizes[-1]}; "
+        f"decided among {NUCLEUS_CANDIDATES} candidates: {decided}/{rows.shape[0]}"
+    )
+    print(f"{'rows':>4s} {'full sort ms':>12s} {'nucleus ms':>10s} {'full/nucleus':>12s}")
+    for r in results:
+        print(f"{r['rows']:4d} {r['full_ms']:12.2f} {r['nucleus_ms']:10.2f} {r['ratio']:11.2f}x")
+    write_json(
+        args.out,
+        {
+            "machine": info,
+            "args": vars(args),
+            "vocabulary": rows.shape[1],
+            "rows_total": rows.shape[0],
+            "decided": decided,
+            "nucleus_sizes": nucleus_sizes,
+            "results": results,
+        },
+    )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
