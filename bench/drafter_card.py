@@ -63,8 +63,23 @@ def cache_file(model_dir: Path, args, mode: str) -> Path | None:
     return paths.cache_dir() / "card-answers" / f"{digest}.safetensors"
 
 
-def train_command(report: dict) -> str:
-    """The `redrafter train` line that reproduces the recipe in ``report.json``."""
+def lineage(report: dict) -> list[dict]:
+    """The training stages behind a drafter, oldest first: a drafter trained with
+    ``--init-drafter`` carries its starting point's report as ``init_report``."""
+    stages = [report]
+    while stages[0].get("init_report"):
+        stages.insert(0, stages[0]["init_report"])
+    if stages[0]["recipe"].get("init_drafter"):
+        raise ValueError(
+            f"the report continues {stages[0]['recipe']['init_drafter']} but does not hold "
+            "its report (init_report); retrain with a redrafter-mlx that records it"
+        )
+    return stages
+
+
+def train_command(report: dict, out: str = "DRAFTER_DIR", init: str | None = None) -> str:
+    """The `redrafter train` line that reproduces one stage of ``report.json`` into ``out``,
+    continuing the drafter at ``init`` for a stage trained with ``--init-drafter``."""
     r, t = report["recipe"], report["recipe"]["train"]
     flags = {
         "--num-prompts": r["num_prompts"],
@@ -83,16 +98,47 @@ def train_command(report: dict) -> str:
         "--head-init": t.get("head_init", "random"),
         "--seed": t["seed"],
     }
+    if r.get("init_drafter"):  # the vocabulary and the head come from the drafter continued
+        del flags["--draft-vocab"], flags["--head-init"]
+        flags["--init-drafter"] = init or "INIT_DRAFTER_DIR"
     if r.get("final_vocab"):
         flags["--final-vocab"] = r["final_vocab"]
     args = " ".join(f"{k} {v}" for k, v in flags.items())
-    return f"redrafter train --out DRAFTER_DIR {args}"
+    return f"redrafter train --out {out} {args}"
+
+
+def stage_lines(report: dict) -> list[str]:
+    """How one stage was trained, from its ``report.json``."""
+    r, t = report["recipe"], report["recipe"]["train"]
+    acc = ", ".join(f"{a:.3f}" for a in report["heldout_accuracy_by_horizon"])
+    answers = report["data"].get("answers", r["num_prompts"])
+    return [
+        f"- Data: {answers} prompts from the Python standard library (seed {t['seed']}; "
+        f"{r['held_out']} held out), answered greedily by the LLM, at most "
+        f"{r['max_new_tokens']} new tokens: {report['data']['tokens']} answer tokens.",
+        f"- Draft vocabulary: {report['draft_vocab_size']} tokens, covering "
+        f"{report['draft_vocab_coverage_train']:.1%} of training and "
+        f"{report['draft_vocab_coverage_heldout']:.1%} of held-out answer tokens.",
+        f"- Training: {report['train_steps']} steps of {t['batch_rows']} rows x {t['window']} "
+        f"positions, K={t['horizons']} horizons, AdamW lr {t['lr']} (warmup {t['warmup']}, "
+        f"cosine), grad clip {t['grad_clip']}, "
+        + (
+            "from the previous stage's weights; "
+            if r.get("init_drafter")
+            else f"head init {t.get('head_init', 'random')}; "
+        )
+        + f"{report['train_seconds'] / 60:.0f} min, "
+        f"{report['train_tokens_per_s']:.0f} positions/s.",
+        f"- Held-out top-1 accuracy by horizon: {acc}; held-out tokens/step through the "
+        f"engine (W={r['eval_width']}, L={r['eval_length']}, {r['eval_tokens']} tokens): "
+        f"{report['heldout_tokens_per_step']:.2f}.",
+    ]
 
 
 def card_markdown(report: dict, table: dict, problems: str, max_tokens: int, info: dict) -> str:
-    """The drafter card: how it was trained (from ``report.json``) and what it accepts."""
-    r, t = report["recipe"], report["recipe"]["train"]
-    acc = ", ".join(f"{a:.3f}" for a in report["heldout_accuracy_by_horizon"])
+    """The drafter card: how it was trained (from ``report.json``, every stage of it) and
+    what it accepts."""
+    stages = lineage(report)
     lines = [
         "# Drafter card",
         "",
@@ -100,25 +146,21 @@ def card_markdown(report: dict, table: dict, problems: str, max_tokens: int, inf
         f"{info['chip']}, {info['cpu_count']} cores ({info['platform']}; mlx {info['mlx']}, "
         f"mlx-lm {info['mlx_lm']}, {info['device']}).",
         "",
-        f"- Data: {r['num_prompts']} prompts from the Python standard library "
-        f"({r['held_out']} held out), answered greedily by the LLM, at most "
-        f"{r['max_new_tokens']} new tokens: {report['data']['tokens']} answer tokens.",
-        f"- Draft vocabulary: {report['draft_vocab_size']} tokens, covering "
-        f"{report['draft_vocab_coverage_train']:.1%} of training and "
-        f"{report['draft_vocab_coverage_heldout']:.1%} of held-out answer tokens.",
-        f"- Training: {report['train_steps']} steps of {t['batch_rows']} rows x {t['window']} "
-        f"positions, K={t['horizons']} horizons, AdamW lr {t['lr']} (warmup {t['warmup']}, "
-        f"cosine), grad clip {t['grad_clip']}, head init {t.get('head_init', 'random')}; "
-        f"{report['train_seconds'] / 60:.0f} min, "
-        f"{report['train_tokens_per_s']:.0f} positions/s.",
-        f"- Held-out top-1 accuracy by horizon: {acc}; held-out tokens/step through the "
-        f"engine (W={r['eval_width']}, L={r['eval_length']}, {r['eval_tokens']} tokens): "
-        f"{report['heldout_tokens_per_step']:.2f}.",
-        "",
+    ]
+    for i, stage in enumerate(stages, 1):
+        if len(stages) > 1:
+            how = f"continues stage {i - 1}" if i > 1 else "a new drafter"
+            lines += [f"Stage {i} ({how}):", ""]
+        lines += [*stage_lines(stage), ""]
+    lines += [
         "Reproduce (the data step is cached in the work folder; `--resume` continues):",
         "",
         "```bash",
-        train_command(report),
+    ]
+    for i, stage in enumerate(stages, 1):
+        out = "DRAFTER_DIR" if len(stages) == 1 else f"DRAFTER_{i}"
+        lines.append(train_command(stage, out, init=f"DRAFTER_{i - 1}"))
+    lines += [
         "```",
         "",
         f"Tokens per step on HumanEval problems {problems}, {max_tokens} new tokens "
@@ -158,7 +200,20 @@ def main() -> None:
         help="write the markdown card here (needs the "
         "drafter's report.json from `redrafter train`)",
     )
+    ap.add_argument(
+        "--from-result",
+        default=None,
+        help="write --card from this earlier --out JSON instead of measuring again",
+    )
     args = ap.parse_args()
+    if args.from_result:
+        if not args.card:
+            ap.error("--from-result writes a card: pass --card too")
+        saved = json.loads(Path(args.from_result).read_text())
+        write_card(
+            args.card, args.drafter, saved["tokens_per_step"], saved["args"], saved["machine"]
+        )
+        return
 
     model_dir, _ = registry.resolve_model(args.model)
     model, tokenizer, drafter = load(model_dir, args.drafter)
@@ -228,10 +283,14 @@ def main() -> None:
     )
     print(f"wrote {args.out}")
     if args.card:
-        report = json.loads((Path(args.drafter) / "report.json").read_text())
-        text = card_markdown(report, table, args.problems, args.max_tokens, machine_info())
-        Path(args.card).write_text(text)
-        print(f"wrote {args.card}")
+        write_card(args.card, args.drafter, table, vars(args), machine_info())
+
+
+def write_card(card: str, drafter: str, table: dict, args: dict, info: dict) -> None:
+    report = json.loads((Path(drafter) / "report.json").read_text())
+    text = card_markdown(report, table, args["problems"], args["max_tokens"], info)
+    Path(card).write_text(text)
+    print(f"wrote {card}")
 
 
 if __name__ == "__main__":

@@ -133,7 +133,8 @@ def prepare_data(model, tokenizer, recipe: Recipe, data_dir: Path, log: Log, pro
         raise ValueError(f"{data_dir}: no answered prompts to train on ({fix})")
     tokens = sum(len(e.tokens) for e in examples.values())
     log(f"answers: {len(examples)}, {tokens} tokens ({gen_s:.0f} s this run)")
-    return samples, examples, {"generation_s_this_run": gen_s, "tokens": tokens}
+    report = {"generation_s_this_run": gen_s, "answers": len(examples), "tokens": tokens}
+    return samples, examples, report
 
 
 def held_out_ids(examples: dict[int, Example], held_out: int) -> list[int]:
@@ -258,5 +259,9 @@ def run(
         "heldout_tokens_per_step": tps,
         "history": state.history,
     }
+    if recipe.init_drafter:
+        # A continued drafter's card must say how its starting point was trained too.
+        parent = Path(recipe.init_drafter) / "report.json"
+        report["init_report"] = json.loads(parent.read_text()) if parent.is_file() else None
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     return report

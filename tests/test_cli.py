@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from redrafter_cli.main import app
 from tiny_models import tiny_drafter
 from typer.testing import CliRunner
 
+ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 
 
@@ -225,6 +227,14 @@ def test_train_smoke_run_then_generate(tiny_llm_dir, tmp_path):
     assert json.loads(spec.output)["token_ids"] == plain["token_ids"]
 
 
+def load_bench(name: str):
+    """A script of bench/ as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_train_init_drafter_continues_a_trained_drafter(tiny_llm_dir, tmp_path):
     """`--init-drafter` starts from the given drafter's weights and keeps its vocabulary."""
     first, work = tmp_path / "first", tmp_path / "work"
@@ -255,6 +265,23 @@ def test_train_init_drafter_continues_a_trained_drafter(tiny_llm_dir, tmp_path):
     assert r.exit_code == 0, r.output
     moved = load(more)
     assert any(not np.array_equal(np.array(moved[k]), np.array(before[k])) for k in before)
+    # The report keeps the starting drafter's report: the card then shows both stages, and
+    # the second stage's command continues the first instead of choosing a vocabulary.
+    report = json.loads((more / "report.json").read_text())
+    assert report["init_report"] == json.loads((first / "report.json").read_text())
+    assert report["data"]["answers"] > 0
+    card = load_bench("drafter_card")
+    first_stage, second_stage = card.lineage(report)
+    assert first_stage["train_steps"] == 3 and second_stage["train_steps"] == 2
+    command = card.train_command(second_stage, "DRAFTER_2", init="DRAFTER_1")
+    assert "--init-drafter DRAFTER_1" in command and "--draft-vocab" not in command
+    assert "--draft-vocab 64" in card.train_command(first_stage)
+    info = {"chip": "c", "cpu_count": 2, "platform": "p", "mlx": "m", "mlx_lm": "l", "device": "d"}
+    text = card.card_markdown(report, {"greedy": {"W=1,L=3": 1.5}}, "0-1", 8, info)
+    assert "Stage 2 (continues stage 1)" in text and "| W=1 | 1.50 |" in text
+    del report["init_report"]  # a continued drafter whose start is unknown: said, not hidden
+    with pytest.raises(ValueError, match="init_report"):
+        card.lineage(report)
     # A drafter of another shape: an error that names the flag to pass.
     r = invoke(*args, "--init-drafter", first, "--num-draft-layers", "1")
     assert r.exit_code == 1 and "--num-draft-layers 2" in r.output, r.output
