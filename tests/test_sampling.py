@@ -218,6 +218,19 @@ def test_nucleus_is_mlx_lms_top_p_set_where_it_says_exact(rows, top_p, candidate
             assert sorted(ids[r][keep[r]].tolist()) == np.flatnonzero(want[r]).tolist()
 
 
+@pytest.mark.parametrize("top_p,kept", [(0.5, [0]), (0.75, [0, 1]), (0.875, [0, 1, 2])])
+def test_nucleus_drops_the_token_whose_mass_above_is_exactly_top_p(top_p, kept):
+    """Dyadic probabilities make the boundary exact in float32: a token whose likelier tokens
+    hold exactly top_p of the mass is dropped, as apply_top_p drops it (``<``, not ``<=``)."""
+    p = np.array([[0.5, 0.25, 0.125, 0.0625, 0.0625]], dtype=np.float32)
+    logprobs = mx.array(np.log(p))
+    want = np.flatnonzero(np.array(apply_top_p(logprobs, top_p))[0] > -np.inf).tolist()
+    ids, _, keep, exact = nucleus(logprobs, top_p, 4)
+    assert want == kept
+    assert bool(exact.item())
+    assert sorted(np.array(ids)[0][np.array(keep)[0]].tolist()) == kept
+
+
 def test_nucleus_decides_peaked_rows_and_defers_flat_ones():
     rng = np.random.default_rng(0)
     peaked = rng.normal(size=(1, 5000)).astype(np.float32)
