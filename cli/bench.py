@@ -217,8 +217,11 @@ def bench(
             raise ValueError("--png draws a --grid sweep; pass --grid too")
         if png is not None:
             require_matplotlib()
-        W, L = defaults(model_dir, entry, beam_width, beam_length)
-        configs = parse_grid(grid) if grid else [(W, L)]
+        configs = (
+            parse_grid(grid)
+            if grid
+            else [defaults(model_dir, drafter_dir, entry, beam_width, beam_length)]
+        )
         llm, tokenizer, draft_model = load(model_dir, drafter_dir)
         ids = load_prompts(prompts, tokenizer)
         sampling = SamplingParams(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
@@ -323,7 +326,7 @@ def tune(
         row = summary[name(*best)]
         table_console().print(render(summary, machine_info(), f"tune {model_dir.name}", True))
         beam = {"width": best[0], "length": best[1], "speedup": row["speedup"]}
-        beam |= {"prune": best[2], "drafter": str(Path(drafter_dir).resolve())}
+        beam |= {"prune": best[2]} | settings.tuned_for(drafter_dir)
         if best[2]:
             beam |= {"step_cost": row["step_cost"], "alpha": row["alpha"]}
         settings.put(model_dir, "beam", beam)

@@ -162,7 +162,7 @@ def chat(
         import mlx.core as mx
 
         model_dir, drafter_dir, entry = resolve(model, drafter, no_draft)
-        W, L = defaults(model_dir, entry, beam_width, beam_length)
+        W, L = defaults(model_dir, drafter_dir, entry, beam_width, beam_length)
         with console.status(f"loading {model_dir.name}"):
             llm, tokenizer, draft_model = load(model_dir, drafter_dir)
         if tokenizer.chat_template is None:

@@ -102,11 +102,14 @@ def resolve(model: str | None, drafter: Path | None, no_draft: bool):
     return model_dir, drafter, entry
 
 
-def defaults(model_dir, entry, beam_width, beam_length) -> tuple[int, int]:
-    """Flags first, then what `tune` stored for this machine, then the registry entry."""
+def defaults(model_dir, drafter_dir, entry, beam_width, beam_length) -> tuple[int, int]:
+    """Flags first, then what `tune` stored for this machine, drafter and BLAS, then the
+    registry entry (saying so when a stored tune no longer applies)."""
     from redrafter_mlx import settings
 
-    tuned = settings.get(model_dir, "beam") or {}
+    tuned, stale = settings.tuned_beam(model_dir, drafter_dir)
+    if stale and not (beam_width and beam_length):
+        err.print(f"[yellow]{stale}: not using it; run `redrafter tune` again[/yellow]")
     W = beam_width or tuned.get("width") or (entry.beam_width if entry else 4)
     L = beam_length or tuned.get("length") or (entry.beam_length if entry else 5)
     return W, L
@@ -115,8 +118,8 @@ def defaults(model_dir, entry, beam_width, beam_length) -> tuple[int, int]:
 def tree_budget(model_dir, drafter_dir, llm, drafter, W: int, L: int, prune: bool | None):
     """The TreeBudget to generate with, or None (no pruning).
 
-    ``prune`` None (no flag): prune when `tune` found it fastest for this model, shape and
-    drafter on this machine, with the step cost and calibration it measured. True: that
+    ``prune`` None (no flag): prune when `tune` found it fastest for this model, shape,
+    drafter and BLAS on this machine, with the step cost and calibration it measured. True: that
     stored cost if there is one, else the cost measured now (~1-2 s). False: never.
     """
     from redrafter_mlx import settings
@@ -125,12 +128,8 @@ def tree_budget(model_dir, drafter_dir, llm, drafter, W: int, L: int, prune: boo
 
     if prune is False or drafter is None:
         return None
-    tuned = settings.get(model_dir, "beam") or {}
-    same = (tuned.get("width"), tuned.get("length"), tuned.get("drafter")) == (
-        W,
-        L,
-        str(Path(drafter_dir).resolve()),
-    )
+    tuned, _ = settings.tuned_beam(model_dir, drafter_dir)
+    same = (tuned.get("width"), tuned.get("length")) == (W, L)
     stored = tuned.get("step_cost") if same else None  # only there when tune chose pruning
     if stored:
         return TreeBudget(stored, alpha=tuned.get("alpha", 1.0))

@@ -2,11 +2,14 @@
 
 ``bench`` records the AR tokens/s it measured and ``tune`` the fastest (W, L) for a model on
 this machine; ``chat`` and ``generate`` read them back. Stored in
-``$REDRAFTER_HOME/settings.json``, keyed by the model folder.
+``$REDRAFTER_HOME/settings.json``, keyed by the model folder. A tuned shape holds for the
+drafter weights and the BLAS it was measured with (:func:`tuned_for`): its step cost and
+calibration mean nothing for others.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -37,3 +40,38 @@ def put(model_dir: str | Path, key: str, value: Any) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
     tmp.replace(path)
+
+
+def tuned_for(drafter_dir: str | Path) -> dict[str, str]:
+    """What a stored tune was measured with: the drafter (folder and weights) and the BLAS."""
+    from . import _blas
+
+    folder = Path(drafter_dir).resolve()
+    digest = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        with open(folder / name, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                digest.update(chunk)
+    return {"drafter": str(folder), "drafter_sha256": digest.hexdigest()[:16], "blas": _blas.status}
+
+
+def tuned_beam(model_dir: str | Path, drafter_dir: str | Path | None) -> tuple[dict, str | None]:
+    """`tune`'s stored shape for this model if it was measured with this drafter and BLAS.
+
+    Returns (beam, None), or ({}, why) when a stored tune does not apply here: its width,
+    length and step cost were the fastest for another drafter or BLAS.
+    """
+    beam = get(model_dir, "beam") or {}
+    if not beam or drafter_dir is None:
+        return {}, None
+    if beam.get("drafter") != str(Path(drafter_dir).resolve()):
+        return {}, "the shape `redrafter tune` stored was measured with another drafter"
+    now = tuned_for(drafter_dir)  # reads the weights: only for the tuned drafter's folder
+    stale = [k for k, v in now.items() if beam.get(k) != v]
+    if stale and any(k not in beam for k in now):
+        return {}, "the shape `redrafter tune` stored was measured by an earlier version"
+    if stale:
+        what = {"drafter_sha256": "other drafter weights"}
+        why = what.get(stale[0], f"BLAS {beam.get('blas')!r} (now {now['blas']!r})")
+        return {}, f"the shape `redrafter tune` stored was measured with {why}"
+    return beam, None

@@ -491,6 +491,42 @@ def test_float16_drafter_computes_in_the_llms_dtype(tiny_llm_dir, tmp_path):
         assert mx.array_equal(w, stored[name].astype(mx.float32)), name
 
 
+def test_a_stored_tune_holds_only_for_its_drafter_weights_and_blas(
+    tiny_llm_dir, random_drafter_dir, tmp_path, monkeypatch, capsys
+):
+    """Another drafter's weights in the same folder, or another BLAS, make tune's shape, step
+    cost and calibration meaningless: they are ignored, and the user is told to re-tune."""
+    import shutil
+
+    from redrafter_mlx import _blas, settings
+
+    from redrafter_cli.common import defaults
+
+    monkeypatch.setenv("REDRAFTER_HOME", str(tmp_path / "home"))
+    drafter_dir = tmp_path / "drafter"
+    shutil.copytree(random_drafter_dir, drafter_dir)
+    beam = {"width": 2, "length": 5, "prune": True, "step_cost": [1.0, 1.1, 1.2], "alpha": 2.0}
+    settings.put(tiny_llm_dir, "beam", beam | settings.tuned_for(drafter_dir))
+    assert settings.tuned_beam(tiny_llm_dir, drafter_dir)[0]["step_cost"] == [1.0, 1.1, 1.2]
+    assert defaults(tiny_llm_dir, drafter_dir, None, None, None) == (2, 5)
+    assert settings.tuned_beam(tiny_llm_dir, None) == ({}, None)  # --no-draft
+
+    blas = _blas.status
+    monkeypatch.setattr(_blas, "status", "loaded:libsomething.so")
+    tuned, why = settings.tuned_beam(tiny_llm_dir, drafter_dir)
+    assert tuned == {} and "BLAS" in why and "libsomething" in why
+    monkeypatch.setattr(_blas, "status", blas)
+
+    weights = drafter_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes() + b" ")  # retrained in place
+    tuned, why = settings.tuned_beam(tiny_llm_dir, drafter_dir)
+    assert tuned == {} and "other drafter weights" in why
+    capsys.readouterr()
+    assert defaults(tiny_llm_dir, drafter_dir, None, None, None) == (4, 5)  # the fallback
+    assert "run `redrafter tune` again" in capsys.readouterr().err
+    assert defaults(tiny_llm_dir, drafter_dir, None, 1, 3) == (1, 3)  # flags win
+
+
 def test_chat_and_generate_prune_as_tune_found(
     tiny_llm_dir, random_drafter_dir, tmp_path, monkeypatch
 ):
@@ -508,9 +544,7 @@ def test_chat_and_generate_prune_as_tune_found(
     cost = [1.0, 1.0, 9.0, 9.0, 9.0]  # verifying a third token never pays
     beam = {"width": 2, "length": 3, "speedup": 1.2, "prune": True, "alpha": 1.7}
     settings.put(
-        tiny_llm_dir,
-        "beam",
-        beam | {"drafter": str(random_drafter_dir.resolve()), "step_cost": cost},
+        tiny_llm_dir, "beam", beam | settings.tuned_for(random_drafter_dir) | {"step_cost": cost}
     )
 
     def budget(W=2, L=3, prune=None, drafter_dir=random_drafter_dir):
