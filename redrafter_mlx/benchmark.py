@@ -58,7 +58,7 @@ def machine_info() -> dict:
         "mlx_lm": version("mlx-lm"),
         "redrafter_mlx": version("redrafter-mlx"),
         "device": str(mx.default_device()),
-        "blas": _blas.status,
+        "blas": _blas.summary(),
     }
 
 

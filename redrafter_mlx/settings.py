@@ -43,7 +43,8 @@ def put(model_dir: str | Path, key: str, value: Any) -> None:
 
 
 def tuned_for(drafter_dir: str | Path) -> dict[str, str]:
-    """What a stored tune was measured with: the drafter (folder and weights) and the BLAS."""
+    """What a stored tune was measured with: the drafter (folder and weights) and the BLAS
+    (with the few-row GEMM kernel on or off)."""
     from . import _blas
 
     folder = Path(drafter_dir).resolve()
@@ -52,7 +53,11 @@ def tuned_for(drafter_dir: str | Path) -> dict[str, str]:
         with open(folder / name, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 22), b""):
                 digest.update(chunk)
-    return {"drafter": str(folder), "drafter_sha256": digest.hexdigest()[:16], "blas": _blas.status}
+    return {
+        "drafter": str(folder),
+        "drafter_sha256": digest.hexdigest()[:16],
+        "blas": _blas.summary(),  # the few-row kernel too: it changes the step cost
+    }
 
 
 def tuned_beam(model_dir: str | Path, drafter_dir: str | Path | None) -> tuple[dict, str | None]:

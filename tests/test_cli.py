@@ -516,6 +516,11 @@ def test_a_stored_tune_holds_only_for_its_drafter_weights_and_blas(
     tuned, why = settings.tuned_beam(tiny_llm_dir, drafter_dir)
     assert tuned == {} and "BLAS" in why and "libsomething" in why
     monkeypatch.setattr(_blas, "status", blas)
+    if _blas.gemm == "on":  # the same BLAS without the few-row kernel costs other step times
+        monkeypatch.setattr(_blas, "gemm", "off")
+        tuned, why = settings.tuned_beam(tiny_llm_dir, drafter_dir)
+        assert tuned == {} and "few-row gemm off" in why
+        monkeypatch.setattr(_blas, "gemm", "on")
 
     weights = drafter_dir / "model.safetensors"
     weights.write_bytes(weights.read_bytes() + b" ")  # retrained in place
