@@ -1,8 +1,9 @@
 /*
  * Few-row matrix products for MLX's CPU backend on Linux.
  *
- * Decoding multiplies 1 to 16 activation rows by every weight matrix of the LLM: one row per
- * token of an autoregressive step, one per node of a ReDrafter tree. That product only has to
+ * Decoding multiplies a few activation rows by every weight matrix of the LLM: one row per
+ * token of an autoregressive step, one per node of a ReDrafter tree, one per sequence of a
+ * batch. That product only has to
  * stream the weights once, so it should cost about the same for 1 row or 8. The BLAS libraries
  * MLX can use here do not behave that way (measured on a 2-core AMD EPYC, Qwen2.5-0.5B float32,
  * one forward of n tokens relative to n = 1: MKL 1.13x at n = 2 but 2.2x at n = 3; OpenBLAS
@@ -45,7 +46,7 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
 
 static int enabled = 0;
-static int max_rows = 16;
+static int max_rows = 32; /* set by redrafter_gemm_init */
 static long parallel_work = 1L << 16; /* N * K from which the columns are split over threads */
 static atomic_long handled = 0;
 

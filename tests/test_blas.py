@@ -58,10 +58,10 @@ def test_opt_out():
     assert r.stdout.strip() == "skipped" and r.stderr == ""
 
 
-# 40 rows: more than the few-row kernel takes (see test_skinny_gemm.py), so the BLAS computes it.
+# 64 rows: more than the few-row kernel takes (see test_skinny_gemm.py), so the BLAS computes it.
 MATMUL = (
     "import redrafter_mlx, redrafter_mlx._blas as b, numpy as np, mlx.core as mx;"
-    "a = np.random.default_rng(0).standard_normal((40, 64), dtype=np.float32);"
+    "a = np.random.default_rng(0).standard_normal((64, 64), dtype=np.float32);"
     "w = np.random.default_rng(1).standard_normal((96, 64), dtype=np.float32);"
     "y = np.array(mx.array(a) @ mx.array(w).T);"
     "print(b.status); print(float(np.abs(y - a @ w.T).max()))"

@@ -32,7 +32,7 @@ def close(got: mx.array, want: np.ndarray, k: int) -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    m=st.integers(1, 20),  # up to 16 here, more goes to the BLAS
+    m=st.integers(1, 40),  # up to 32 here, more goes to the BLAS
     n=st.integers(1, 300),
     k=st.integers(1, 200),  # not multiples of 8: the vector tails
     transposed=st.booleans(),
@@ -57,7 +57,13 @@ def test_products_match_a_float64_reference(m, n, k, transposed, bias, seed):
 
 def test_large_products_use_the_pool_and_stay_correct():
     rng = np.random.default_rng(0)
-    for m, n, k in [(1, 4099, 901), (3, 9000, 896), (16, 2048, 1000), (8, 5, 70000)]:
+    for m, n, k in [
+        (1, 4099, 901),
+        (3, 9000, 896),
+        (16, 2048, 1000),
+        (32, 3000, 640),
+        (8, 5, 70000),
+    ]:
         a = rng.standard_normal((m, k), dtype=np.float32)
         w = rng.standard_normal((n, k), dtype=np.float32)
         close(mx.array(a) @ mx.array(w).T, reference(a, w.T), k)
@@ -72,8 +78,8 @@ def test_each_row_is_bit_identical_to_that_row_alone(transposed):
     k, n = 903, 4100
     w = mx.array(rng.standard_normal((n, k) if transposed else (k, n), dtype=np.float32))
     w = w.T if transposed else w
-    x = mx.array(rng.standard_normal((16, k), dtype=np.float32))
-    for m in (2, 3, 5, 8, 16):
+    x = mx.array(rng.standard_normal((32, k), dtype=np.float32))
+    for m in (2, 3, 5, 8, 32):
         together = np.array(x[:m] @ w)
         for i in range(m):
             alone = np.array(x[i : i + 1] @ w)[0]
@@ -85,7 +91,7 @@ def test_few_rows_go_to_the_kernel_and_many_to_the_blas():
     before = _blas.handled_products()
     mx.eval(mx.random.normal((4, 256)) @ w.T)
     assert _blas.handled_products() == before + 1
-    mx.eval(mx.random.normal((40, 256)) @ w.T)  # prefill-sized: the BLAS's
+    mx.eval(mx.random.normal((64, 256)) @ w.T)  # prefill-sized: the BLAS's
     assert _blas.handled_products() == before + 1
 
 
