@@ -197,7 +197,12 @@ def bench(
     png: Annotated[Path | None, typer.Option("--png", help="Heat map of a --grid sweep.")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Write everything as JSON.")] = None,
     profile: Annotated[
-        bool, typer.Option("--profile", help="Time draft/verify per step (adds syncs).")
+        bool,
+        typer.Option(
+            "--profile",
+            help="Time each phase of a step: tree, verify, accept, draft, commit (adds a sync "
+            "after each; without it a step syncs once).",
+        ),
     ] = False,
     prune: Annotated[
         bool,
@@ -257,8 +262,11 @@ def bench(
         if profile:
             for name, row in summary.items():
                 if row["phase_ms"]:
-                    phases = ", ".join(f"{k} {v:.0f} ms" for k, v in row["phase_ms"].items())
-                    err.print(f"{name}: per step {phases} (total {row['step_ms']:.0f} ms)")
+                    phases = ", ".join(f"{k} {v:.1f}" for k, v in row["phase_ms"].items())
+                    err.print(
+                        f"{name}: ms per step: {phases} (total {row['step_ms']:.1f}; "
+                        "a sync after each phase while profiled, one a step otherwise)"
+                    )
         if png is not None:
             heat_map(summary, configs, png, title)
             err.print(f"wrote {png}")

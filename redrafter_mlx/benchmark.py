@@ -140,11 +140,8 @@ def consume(name: str, index: int, stream: Iterator[StepOutput]) -> RunResult:
         summary = out.summary
         steps.append(out.stats)
     steps = steps[1:]  # step 0 is the prompt
-    phase_ms = {}
-    for phase in ("draft_time", "verify_time", "accept_time"):
-        values = [getattr(s, phase) for s in steps if getattr(s, phase) is not None]
-        if values:
-            phase_ms[phase.removesuffix("_time")] = 1000 * statistics.mean(values)
+    profiled = [s.phases for s in steps if s.phases]
+    phase_ms = {k: 1000 * statistics.mean(p[k] for p in profiled) for k in (profiled or [{}])[0]}
     return RunResult(
         name=name,
         prompt_index=index,

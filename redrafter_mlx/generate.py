@@ -11,7 +11,10 @@ One ReDrafter step, with the device arrays kept lazy throughout::
     sync: acc.tokens, acc.count, beams'         # the step's only host synchronisation
 
 The next draft is built before the sync, so each step costs one round trip to the device;
-``profile=True`` adds a sync after each phase to time them (and so runs slower).
+``profile=True`` adds a sync after each phase to time them (and so runs slower): ``tree``
+(beams to the host, packing, pruning), ``verify`` (the LLM forward and its targets),
+``accept``, ``draft`` (the next beam search) and ``commit`` (reading the result on the host,
+keeping the accepted path in the KV cache).
 """
 
 from __future__ import annotations
@@ -44,9 +47,7 @@ class StepStats:
     accepted: int  # drafted tokens the LLM accepted (emitted = accepted + 1 when uncut)
     tree_size: int  # packed tokens verified
     time: float  # seconds, wall clock
-    draft_time: float | None = None  # seconds; measured only with profile=True
-    verify_time: float | None = None
-    accept_time: float | None = None
+    phases: dict[str, float] | None = None  # seconds per phase, measured only with profile=True
 
 
 @dataclass
@@ -217,12 +218,13 @@ def _redrafter_steps(
     past = cache[0].length  # absolute position of the root g0
     gen_start = time.perf_counter()
     while True:
-        t0 = time.perf_counter()
+        clock = _PhaseClock(profile)
         drafted = np.array(beams)
         tree = pack_beams(drafted)
         if budget is not None:  # verify only the nodes worth it; the rest become NO_TOKEN
             tree, drafted = budget.prune(tree, drafted, np.array(scores))
             beams = mx.array(drafted)
+        clock.lap("tree")
         hidden = llm.hidden_states(
             mx.array(tree.tokens),
             cache,
@@ -235,16 +237,12 @@ def _redrafter_steps(
         else:  # process and sample only the rows the walk visits (see walk_targets)
             mx.eval(logits)
             targets = walk_targets(logits, tree.children(), sampling)
-        if profile:
-            mx.eval(targets)
-        t1 = time.perf_counter()
+        clock.lap("verify", targets)
         acc = accept(beams, mx.array(tree.unpacker), targets)
-        if profile:
-            mx.eval(acc.tokens, acc.count, acc.beam)
-        t2 = time.perf_counter()
+        clock.lap("accept", acc.tokens, acc.count, acc.beam)
         beams, scores = _draft(propose, hidden[acc.last], targets[acc.last], budget is not None)
-        mx.eval(acc.tokens, acc.count, acc.beam, acc.path, beams, scores)
-        t3 = time.perf_counter()
+        clock.lap("draft", beams, scores)
+        mx.eval(acc.tokens, acc.count, acc.beam, acc.path, beams, scores)  # the step's sync
 
         count, beam = int(acc.count.item()), int(acc.beam.item())
         if budget is not None:
@@ -254,6 +252,7 @@ def _redrafter_steps(
         for c in cache:
             c.commit(None if beam == 0 else acc.path, tree.size, len(tokens))
         past += len(tokens)
+        clock.lap("commit", *(x for c in cache for x in (c.keys, c.values)))
 
         summary.steps += 1
         summary.generation_time = time.perf_counter() - gen_start
@@ -266,14 +265,32 @@ def _redrafter_steps(
             emitted=len(tokens),
             accepted=count - 1,
             tree_size=tree.size,
-            time=t3 - t0,
-            draft_time=(t3 - t2) if profile else None,
-            verify_time=(t1 - t0) if profile else None,
-            accept_time=(t2 - t1) if profile else None,
+            time=clock.total(),
+            phases=clock.phases if profile else None,
         )
         yield StepOutput(tokens, stats, summary)
         if summary.finish_reason:
             return
+
+
+class _PhaseClock:
+    """Wall time of a step and, when profiling, of each phase (a sync ends each phase)."""
+
+    def __init__(self, profile: bool):
+        self.profile = profile
+        self.start = self.last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, name: str, *arrays: mx.array) -> None:
+        if not self.profile:
+            return
+        mx.eval(*arrays)
+        now = time.perf_counter()
+        self.phases[name] = now - self.last
+        self.last = now
+
+    def total(self) -> float:
+        return time.perf_counter() - self.start
 
 
 def _draft(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -388,7 +389,9 @@ def test_bench_text_file_sampling_and_profile(tiny_llm_dir, random_drafter_dir, 
         "--profile",
     )
     assert r.exit_code == 0, r.output
-    assert "temp 0.7" in r.output and "draft" in r.output and "verify" in r.output
+    assert "temp 0.7" in r.output
+    phases = r"tree [\d.]+, verify [\d.]+, accept [\d.]+, draft [\d.]+,\s+commit [\d.]+"
+    assert re.search(phases, r.output), r.output
 
 
 def test_tune_stores_the_fastest_shape(tiny_llm_dir, random_drafter_dir, tmp_path, monkeypatch):

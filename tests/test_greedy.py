@@ -222,3 +222,20 @@ def test_runs_on_mlx_lm_generation_stream():
     for _ in stream_redrafter(llm, propose, [1, 2, 3], max_tokens=12):
         assert mx.default_stream(device) == caller
     assert len(seen) > 1 and all(s == expected for s in seen)
+
+
+def test_profile_times_every_phase_and_changes_nothing():
+    case = make_case(1) | {"drafter": "random"}
+    model, llm = model_for(case["family"], case["seed"])
+    drafter = tiny_drafter(32, VOCAB, seed=3)
+    propose = make_proposer(drafter, llm.embed, 2, 4)
+    prompt = list(case["prompt"])
+    plain = list(stream_redrafter(llm, propose, prompt, max_tokens=24))
+    profiled = list(stream_redrafter(llm, propose, prompt, max_tokens=24, profile=True))
+    assert [o.tokens for o in profiled] == [o.tokens for o in plain]
+    assert all(o.stats.phases is None for o in plain)
+    for out in profiled[1:]:
+        phases = out.stats.phases
+        assert list(phases) == ["tree", "verify", "accept", "draft", "commit"]
+        assert all(t >= 0 for t in phases.values())
+        assert sum(phases.values()) <= out.stats.time
