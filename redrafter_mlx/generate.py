@@ -36,7 +36,7 @@ from .llm import TreeLLM
 from .loading import check_compatible
 from .tree_attention import pack_beams
 from .tree_budget import TreeBudget, measure_step_cost
-from .verification import SamplingParams, accept, node_targets, walk_targets
+from .verification import SamplingParams, accept, greedy_targets, node_targets, walk_targets
 
 
 @dataclass
@@ -232,17 +232,27 @@ def _redrafter_steps(
             ancestors=mx.array(tree.ancestor_mask()),
         )
         logits = llm.logits(hidden)
-        if sampling.greedy:  # argmax at every node: no sync needed before acceptance
+        unsure = None
+        if sampling.greedy and logits.dtype == mx.float32:  # no sync before acceptance
+            targets, unsure = greedy_targets(logits)
+        elif sampling.greedy:
             targets = node_targets(logits, sampling)
         else:  # process and sample only the rows the walk visits (see walk_targets)
             mx.eval(logits)
             targets = walk_targets(logits, tree.children(), sampling)
         clock.lap("verify", targets)
-        acc = accept(beams, mx.array(tree.unpacker), targets)
+        unpacker = mx.array(tree.unpacker)
+        acc = accept(beams, unpacker, targets)
         clock.lap("accept", acc.tokens, acc.count, acc.beam)
+        drafted_beams = beams
         beams, scores = _draft(propose, hidden[acc.last], targets[acc.last], budget is not None)
         clock.lap("draft", beams, scores)
-        mx.eval(acc.tokens, acc.count, acc.beam, acc.path, beams, scores)  # the step's sync
+        mx.eval(acc.tokens, acc.count, acc.beam, acc.path, beams, scores, unsure)  # the sync
+        if unsure is not None and unsure.item():  # a near-tie (rare): mlx-lm's exact argmax
+            targets = node_targets(logits, sampling)
+            acc = accept(drafted_beams, unpacker, targets)
+            beams, scores = _draft(propose, hidden[acc.last], targets[acc.last], budget is not None)
+            mx.eval(acc.tokens, acc.count, acc.beam, acc.path, beams, scores)
 
         count, beam = int(acc.count.item()), int(acc.beam.item())
         if budget is not None:

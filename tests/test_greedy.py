@@ -2,14 +2,18 @@
 
 import functools
 
+import redrafter_mlx.generate
 from redrafter_mlx.beam_search import make_proposer
 from redrafter_mlx.generate import stream_autoregressive, stream_redrafter
 from redrafter_mlx.llm import TreeLLM
 from redrafter_mlx.oracle import OracleProposer
+from redrafter_mlx.verification import NEAR_TIE, SamplingParams, greedy_targets, node_targets
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tiny_models import tiny_drafter, tiny_llm
 
 VOCAB = 64
@@ -239,3 +243,50 @@ def test_profile_times_every_phase_and_changes_nothing():
         assert list(phases) == ["tree", "verify", "accept", "draft", "commit"]
         assert all(t >= 0 for t in phases.values())
         assert sum(phases.values()) <= out.stats.time
+
+
+def mlx_lm_greedy(logits: mx.array) -> list[int]:
+    """What mlx-lm's greedy sampler takes: argmax of the log-probabilities."""
+    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1).tolist()
+
+
+def test_a_near_tie_that_the_log_softmax_breaks_is_flagged():
+    """1 - 2^-24 and 1 round to the same log-probability: mlx-lm takes index 0, the plain
+    argmax index 1. greedy_targets must not be trusted there."""
+    logits = mx.array([[1.0 - 2**-24, 1.0] + [0.0] * 20000])
+    assert mlx_lm_greedy(logits) == [0]
+    targets, unsure = greedy_targets(logits)
+    assert targets.tolist() == [1] and unsure.item()
+    assert node_targets(logits, SamplingParams()).tolist() == [0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    rows=st.integers(1, 6),
+    vocab=st.integers(2, 3000),
+    ties=st.lists(st.floats(0, 4 * NEAR_TIE), max_size=3),
+    scale=st.sampled_from([1.0, 10.0, 60.0]),
+)
+def test_greedy_targets_equal_mlx_lms_unless_flagged(seed, rows, vocab, ties, scale):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((rows, vocab)) * scale).astype(np.float32)
+    for i, gap in enumerate(ties):  # values near each row's maximum
+        x[:, rng.integers(vocab)] = x.max(axis=1) - np.float32(gap) * (i % 2)
+    logits = mx.array(x)
+    targets, unsure = greedy_targets(logits)
+    if not unsure.item():
+        assert targets.tolist() == mlx_lm_greedy(logits)
+
+
+def test_a_flagged_step_is_redone_with_mlx_lms_argmax(monkeypatch):
+    """Force the rare path with wrong guesses: the output must still be mlx-lm's."""
+
+    def wrong_and_unsure(logits):
+        return (mx.argmax(logits, axis=-1) + 1).astype(mx.int32), mx.array(True)
+
+    monkeypatch.setattr(redrafter_mlx.generate, "greedy_targets", wrong_and_unsure)
+    for i in range(8):
+        case = make_case(i)
+        got, ref, _ = run(case)
+        assert got == ref, case
