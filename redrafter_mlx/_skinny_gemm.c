@@ -322,12 +322,16 @@ void cblas_sgemm(int layout, int ta, int tb, int M, int N, int K, float alpha, c
 }
 
 /* Turn the kernel on: products with 1..rows rows in A (0 turns it off); threads 0 = one per
- * core, at most 8. Returns 1 when on, 0 when this CPU lacks the instructions it needs. */
+ * core, at most 8. Returns 1 when on, 0 where it does not run: x86-64 without AVX2 and FMA,
+ * and other architectures (not measured yet). */
 int redrafter_gemm_init(int rows, int threads) {
     static int atfork = 0;
 #if defined(__x86_64__)
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0;
+#else
+    (void)rows, (void)threads;
+    return 0; /* only measured and tested on x86-64 so far */
 #endif
     if (!atfork) {
         pthread_atfork(NULL, NULL, reset_after_fork);

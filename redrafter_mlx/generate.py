@@ -36,7 +36,14 @@ from .llm import TreeLLM
 from .loading import check_compatible
 from .tree_attention import pack_beams
 from .tree_budget import TreeBudget, measure_step_cost
-from .verification import SamplingParams, accept, greedy_targets, node_targets, walk_targets
+from .verification import (
+    Acceptance,
+    SamplingParams,
+    accept,
+    greedy_targets,
+    node_targets,
+    walk_targets,
+)
 
 
 @dataclass
@@ -241,18 +248,10 @@ def _redrafter_steps(
             mx.eval(logits)
             targets = walk_targets(logits, tree.children(), sampling)
         clock.lap("verify", targets)
-        unpacker = mx.array(tree.unpacker)
-        acc = accept(beams, unpacker, targets)
-        clock.lap("accept", acc.tokens, acc.count, acc.beam)
-        drafted_beams = beams
-        beams, scores = _draft(propose, hidden[acc.last], targets[acc.last], budget is not None)
-        clock.lap("draft", beams, scores)
-        mx.eval(acc.tokens, acc.count, acc.beam, acc.path, beams, scores, unsure)  # the sync
+        args = (propose, beams, mx.array(tree.unpacker), hidden, budget is not None, clock)
+        acc, beams, scores = _accept_and_draft(*args, targets, also=unsure)
         if unsure is not None and unsure.item():  # a near-tie (rare): mlx-lm's exact argmax
-            targets = node_targets(logits, sampling)
-            acc = accept(drafted_beams, unpacker, targets)
-            beams, scores = _draft(propose, hidden[acc.last], targets[acc.last], budget is not None)
-            mx.eval(acc.tokens, acc.count, acc.beam, acc.path, beams, scores)
+            acc, beams, scores = _accept_and_draft(*args, node_targets(logits, sampling))
 
         count, beam = int(acc.count.item()), int(acc.beam.item())
         if budget is not None:
@@ -301,6 +300,26 @@ class _PhaseClock:
 
     def total(self) -> float:
         return time.perf_counter() - self.start
+
+
+def _accept_and_draft(
+    propose: Proposer,
+    beams: mx.array,
+    unpacker: mx.array,
+    hidden: mx.array,
+    need_scores: bool,
+    clock: _PhaseClock,
+    targets: mx.array,
+    also: mx.array | None = None,
+) -> tuple[Acceptance, mx.array, mx.array | None]:
+    """The step's outcome and the next draft from its last accepted node, evaluated together
+    (with ``also``) in the step's one host synchronisation."""
+    acc = accept(beams, unpacker, targets)
+    clock.lap("accept", acc.tokens, acc.count, acc.beam)
+    next_beams, scores = _draft(propose, hidden[acc.last], targets[acc.last], need_scores)
+    clock.lap("draft", next_beams, scores)
+    mx.eval(acc.tokens, acc.count, acc.beam, acc.path, next_beams, scores, also)
+    return acc, next_beams, scores
 
 
 def _draft(
