@@ -26,6 +26,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -318,7 +319,11 @@ void cblas_sgemm(int layout, int ta, int tb, int M, int N, int K, float alpha, c
         return;
     }
     pthread_once(&blas_once, resolve_blas);
-    if (blas_sgemm) blas_sgemm(layout, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    if (!blas_sgemm) { /* cannot happen beside MLX (libmlx needs a BLAS); never return garbage */
+        fputs("redrafter-mlx: no BLAS cblas_sgemm was loaded after the few-row kernel\n", stderr);
+        abort();
+    }
+    blas_sgemm(layout, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
 /* Turn the kernel on: products with 1..rows rows in A (0 turns it off); threads 0 = one per
@@ -345,9 +350,3 @@ int redrafter_gemm_init(int rows, int threads) {
 
 /* Products computed here so far (tests check the interposition is live). */
 long redrafter_gemm_handled(void) { return atomic_load(&handled); }
-
-/* Whether a BLAS to pass other products to was found (after the first such product). */
-int redrafter_gemm_has_blas(void) {
-    pthread_once(&blas_once, resolve_blas);
-    return blas_sgemm != NULL;
-}

@@ -3,9 +3,6 @@
 MLX's own matmul is the entry point throughout: what is tested is what the engine gets.
 """
 
-import os
-import subprocess
-import sys
 import threading
 
 import redrafter_mlx  # noqa: F401  (first: loads the kernel and the BLAS)
@@ -16,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_blas import run  # python -c in a fresh process
 
 pytestmark = pytest.mark.skipif(
     _blas.gemm != "on", reason=f"the few-row GEMM kernel is not on here ({_blas.gemm})"
@@ -118,16 +116,6 @@ def test_two_streams_at_once():
         want = reference(xs[i], w.T)
         for got in results[i]:
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
-
-
-def run(code: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **env},
-    )
 
 
 def test_a_forked_child_starts_its_own_pool():
