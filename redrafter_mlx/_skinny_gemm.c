@@ -117,12 +117,20 @@ KERNEL static inline float dot_tail(float s, const float *a, const float *b, int
     return s;
 }
 
+/* Row m of C at columns j..j+3 from the vector accumulators of a against weight rows b[0..3]. */
+KERNEL static inline void store4(const job_t *g, int m, int j, const float *a, const v8 c[4],
+                                 const float *const b[4]) {
+    const int K = g->K, K8 = K & ~7;
+    for (int q = 0; q < 4; q++) store(g, m, j + q, dot_tail(hsum8(c[q]), a, b[q], K8, K));
+}
+
 KERNEL static void nt_columns(const job_t *g, int j0, int j1) {
     const int K = g->K, K8 = K & ~7, M = g->M;
     int j = j0;
     for (; j + 4 <= j1; j += 4) {
         const float *b0 = g->B + (size_t)j * g->ldb, *b1 = b0 + g->ldb, *b2 = b1 + g->ldb,
                     *b3 = b2 + g->ldb;
+        const float *const b[4] = {b0, b1, b2, b3};
         int m = 0;
         for (; m + 2 <= M; m += 2) {
             const float *a0 = g->A + (size_t)m * g->lda, *a1 = a0 + g->lda;
@@ -134,14 +142,8 @@ KERNEL static void nt_columns(const job_t *g, int j0, int j1) {
                 c00 += x0 * w0, c01 += x0 * w1, c02 += x0 * w2, c03 += x0 * w3;
                 c10 += x1 * w0, c11 += x1 * w1, c12 += x1 * w2, c13 += x1 * w3;
             }
-            store(g, m, j, dot_tail(hsum8(c00), a0, b0, K8, K));
-            store(g, m, j + 1, dot_tail(hsum8(c01), a0, b1, K8, K));
-            store(g, m, j + 2, dot_tail(hsum8(c02), a0, b2, K8, K));
-            store(g, m, j + 3, dot_tail(hsum8(c03), a0, b3, K8, K));
-            store(g, m + 1, j, dot_tail(hsum8(c10), a1, b0, K8, K));
-            store(g, m + 1, j + 1, dot_tail(hsum8(c11), a1, b1, K8, K));
-            store(g, m + 1, j + 2, dot_tail(hsum8(c12), a1, b2, K8, K));
-            store(g, m + 1, j + 3, dot_tail(hsum8(c13), a1, b3, K8, K));
+            store4(g, m, j, a0, (const v8[4]){c00, c01, c02, c03}, b);
+            store4(g, m + 1, j, a1, (const v8[4]){c10, c11, c12, c13}, b);
         }
         if (m < M) {
             const float *a0 = g->A + (size_t)m * g->lda;
@@ -151,10 +153,7 @@ KERNEL static void nt_columns(const job_t *g, int j0, int j1) {
                 c00 += x0 * load8(b0 + k), c01 += x0 * load8(b1 + k);
                 c02 += x0 * load8(b2 + k), c03 += x0 * load8(b3 + k);
             }
-            store(g, m, j, dot_tail(hsum8(c00), a0, b0, K8, K));
-            store(g, m, j + 1, dot_tail(hsum8(c01), a0, b1, K8, K));
-            store(g, m, j + 2, dot_tail(hsum8(c02), a0, b2, K8, K));
-            store(g, m, j + 3, dot_tail(hsum8(c03), a0, b3, K8, K));
+            store4(g, m, j, a0, (const v8[4]){c00, c01, c02, c03}, b);
         }
     }
     for (; j < j1; j++) {
