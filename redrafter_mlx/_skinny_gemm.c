@@ -8,12 +8,16 @@
  * MLX can use here do not behave that way (measured on a 2-core AMD EPYC, Qwen2.5-0.5B float32,
  * one forward of n tokens relative to n = 1: MKL 1.13x at n = 2 but 2.2x at n = 3; OpenBLAS
  * 1.5x at n = 3 and 1.75x at n = 8), so this library interposes ``cblas_sgemm``: loaded with
- * global symbol scope before the BLAS, it takes the row-major products with at most
- * ``max_rows`` rows in A and passes every other call to the BLAS loaded after it.
+ * global symbol scope before the BLAS, it takes the row-major products x W^T with at most
+ * ``max_rows`` rows in x and dot products of at least MIN_DOT (the layers' weight products) and
+ * passes every other call to the BLAS loaded after it. Attention's products (dot products over
+ * a head dimension of 64, and probabilities times values, which are not W^T) stay with the
+ * BLAS: their operands sit in cache, so there is no weight stream to save, and a dot-product
+ * kernel's horizontal sums cost more than the BLAS there (3-6x on the 2-core AMD machine).
  *
- * The kernel reads each weight row once for all activation rows (a dot-product form, 4 weight
- * rows x 2 activation rows per block in 8-wide vectors), splits the output columns over a small
- * thread pool, and computes every output element with the same sequence of operations whatever
+ * The kernel reads each weight row once for all activation rows (a dot-product form in 8-wide
+ * vectors: one weight row at a time for up to 4 short activation rows, blocks of 4 weight rows
+ * otherwise), splits the output columns over a small thread pool, and computes every output element with the same sequence of operations whatever
  * the number of rows: row i of a product is bit-identical to the product of row i alone. So the
  * LLM's logits at a tree node equal those of the same token decoded alone (up to attention).
  *
@@ -33,6 +37,7 @@
 #include <time.h>
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+enum { MIN_DOT = 128 }; /* shortest dot product (K) the kernel takes; a head dimension is less */
 
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *,
                          int, float, float *, int);
@@ -92,8 +97,7 @@ static void resolve_blas(void) {
 
 /* ---- kernels: C[m, j0:j1] = alpha * (A @ op(B))[m, j0:j1] + beta * C ----------------------- */
 
-typedef struct {
-    int nt; /* 1: op(B) = B^T, B is [N, K]; 0: op(B) = B, B is [K, N] */
+typedef struct { /* C = alpha * A B^T + beta * C; A is [M, K], B is [N, K] */
     int M, N, K, lda, ldb, ldc;
     float alpha, beta;
     const float *A, *B;
@@ -111,88 +115,82 @@ KERNEL static inline void store(const job_t *g, int m, int j, float s) {
     *c = g->beta == 0.0f ? g->alpha * s : g->alpha * s + g->beta * *c;
 }
 
-/* One output element of the NT product; every path below computes exactly this. */
-KERNEL static inline float dot_tail(float s, const float *a, const float *b, int k0, int K) {
-    for (int k = k0; k < K; k++) s += a[k] * b[k];
+/*
+ * One output element, C[m, j] = a . b over K, is computed the same way on every path below:
+ * two vector accumulators take the alternate 8-float blocks of the first K & ~15 (c the even
+ * blocks, d the odd ones: two dependency chains, so one row alone is not bound by the FMA
+ * latency), c takes one more block when K & 8, then hsum8(c + d), then the last K % 8 terms in
+ * order. The paths differ only in how many rows and columns share their loads.
+ */
+KERNEL static inline float finish(v8 c, v8 d, const float *a, const float *b, int K) {
+    const int K16 = K & ~15, K8 = K & ~7;
+    if (K8 > K16) c += load8(a + K16) * load8(b + K16);
+    float s = hsum8(c + d);
+    for (int k = K8; k < K; k++) s += a[k] * b[k];
     return s;
 }
 
-/* Row m of C at columns j..j+3 from the vector accumulators of a against weight rows b[0..3]. */
-KERNEL static inline void store4(const job_t *g, int m, int j, const float *a, const v8 c[4],
-                                 const float *const b[4]) {
-    const int K = g->K, K8 = K & ~7;
-    for (int q = 0; q < 4; q++) store(g, m, j + q, dot_tail(hsum8(c[q]), a, b[q], K8, K));
+/* Rows m..m+G-1 (G <= 4) of C at column j: one pass over weight row j, which streams from memory
+ * once for all G rows. One stream per thread (not one per column of a block) is what keeps the
+ * memory bandwidth up: 4 interleaved row streams read ~20% slower on the AMD machine. */
+KERNEL static inline __attribute__((always_inline)) void rows_at_column(const job_t *g, int m,
+                                                                       int G, int j) {
+    const int K = g->K, K16 = K & ~15;
+    const float *b = g->B + (size_t)j * g->ldb, *a = g->A + (size_t)m * g->lda;
+    v8 c[4], d[4];
+    for (int r = 0; r < G; r++) c[r] = d[r] = (v8){0};
+    for (int k = 0; k < K16; k += 16) {
+        v8 w0 = load8(b + k), w1 = load8(b + k + 8);
+        for (int r = 0; r < G; r++) {
+            c[r] += load8(a + (size_t)r * g->lda + k) * w0;
+            d[r] += load8(a + (size_t)r * g->lda + k + 8) * w1;
+        }
+    }
+    for (int r = 0; r < G; r++) store(g, m + r, j, finish(c[r], d[r], a + (size_t)r * g->lda, b, K));
 }
+
+/* Row m of C at columns j..j+3: four weight rows share each activation load. With more than
+ * four rows this wins: the first row streams the block from memory, the others find it in L1. */
+KERNEL static void row_at_4_columns(const job_t *g, int m, int j) {
+    const int K = g->K, K16 = K & ~15;
+    const float *a = g->A + (size_t)m * g->lda, *b0 = g->B + (size_t)j * g->ldb;
+    const float *b1 = b0 + g->ldb, *b2 = b1 + g->ldb, *b3 = b2 + g->ldb;
+    v8 c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0}, d0 = {0}, d1 = {0}, d2 = {0}, d3 = {0};
+    for (int k = 0; k < K16; k += 16) {
+        v8 x = load8(a + k), y = load8(a + k + 8);
+        c0 += x * load8(b0 + k), c1 += x * load8(b1 + k);
+        c2 += x * load8(b2 + k), c3 += x * load8(b3 + k);
+        d0 += y * load8(b0 + k + 8), d1 += y * load8(b1 + k + 8);
+        d2 += y * load8(b2 + k + 8), d3 += y * load8(b3 + k + 8);
+    }
+    store(g, m, j, finish(c0, d0, a, b0, K));
+    store(g, m, j + 1, finish(c1, d1, a, b1, K));
+    store(g, m, j + 2, finish(c2, d2, a, b2, K));
+    store(g, m, j + 3, finish(c3, d3, a, b3, K));
+}
+
+/* Activation floats (M x K) up to which one weight row at a time serves all rows: they must stay
+ * in L1 while the weight rows stream past. Beyond it (more rows, or a long K such as an MLP's
+ * down projection) blocks of 4 weight rows are faster (measured on the AMD machine). */
+enum { ROW_STREAM_FLOATS = 4096 };
 
 KERNEL static void nt_columns(const job_t *g, int j0, int j1) {
-    const int K = g->K, K8 = K & ~7, M = g->M;
+    const int M = g->M;
     int j = j0;
-    for (; j + 4 <= j1; j += 4) {
-        const float *b0 = g->B + (size_t)j * g->ldb, *b1 = b0 + g->ldb, *b2 = b1 + g->ldb,
-                    *b3 = b2 + g->ldb;
-        const float *const b[4] = {b0, b1, b2, b3};
-        int m = 0;
-        for (; m + 2 <= M; m += 2) {
-            const float *a0 = g->A + (size_t)m * g->lda, *a1 = a0 + g->lda;
-            v8 c00 = {0}, c01 = {0}, c02 = {0}, c03 = {0};
-            v8 c10 = {0}, c11 = {0}, c12 = {0}, c13 = {0};
-            for (int k = 0; k < K8; k += 8) {
-                v8 w0 = load8(b0 + k), w1 = load8(b1 + k), w2 = load8(b2 + k), w3 = load8(b3 + k);
-                v8 x0 = load8(a0 + k), x1 = load8(a1 + k);
-                c00 += x0 * w0, c01 += x0 * w1, c02 += x0 * w2, c03 += x0 * w3;
-                c10 += x1 * w0, c11 += x1 * w1, c12 += x1 * w2, c13 += x1 * w3;
+    if (M > 4 || M * g->K > ROW_STREAM_FLOATS)
+        for (; j + 4 <= j1; j += 4)
+            for (int m = 0; m < M; m++) row_at_4_columns(g, m, j);
+    for (; j < j1; j++) /* constant G: each case compiles to its own unrolled loop */
+        for (int m = 0; m < M; m += 4) switch (M - m) {
+            case 1: rows_at_column(g, m, 1, j); break;
+            case 2: rows_at_column(g, m, 2, j); break;
+            case 3: rows_at_column(g, m, 3, j); break;
+            default: rows_at_column(g, m, 4, j); break;
             }
-            store4(g, m, j, a0, (const v8[4]){c00, c01, c02, c03}, b);
-            store4(g, m + 1, j, a1, (const v8[4]){c10, c11, c12, c13}, b);
-        }
-        if (m < M) {
-            const float *a0 = g->A + (size_t)m * g->lda;
-            v8 c00 = {0}, c01 = {0}, c02 = {0}, c03 = {0};
-            for (int k = 0; k < K8; k += 8) {
-                v8 x0 = load8(a0 + k);
-                c00 += x0 * load8(b0 + k), c01 += x0 * load8(b1 + k);
-                c02 += x0 * load8(b2 + k), c03 += x0 * load8(b3 + k);
-            }
-            store4(g, m, j, a0, (const v8[4]){c00, c01, c02, c03}, b);
-        }
-    }
-    for (; j < j1; j++) {
-        const float *b0 = g->B + (size_t)j * g->ldb;
-        for (int m = 0; m < M; m++) {
-            const float *a0 = g->A + (size_t)m * g->lda;
-            v8 c00 = {0};
-            for (int k = 0; k < K8; k += 8) c00 += load8(a0 + k) * load8(b0 + k);
-            store(g, m, j, dot_tail(hsum8(c00), a0, b0, K8, K));
-        }
-    }
-}
-
-/* NN: C[m, j] = sum_k A[m, k] * B[k, j], k in order, 8 columns per vector. */
-KERNEL static void nn_columns(const job_t *g, int j0, int j1) {
-    const int K = g->K, M = g->M;
-    for (int m = 0; m < M; m++) {
-        const float *a = g->A + (size_t)m * g->lda;
-        int j = j0;
-        for (; j + 8 <= j1; j += 8) {
-            v8 c = {0};
-            const float *b = g->B + j;
-            for (int k = 0; k < K; k++) c += a[k] * load8(b + (size_t)k * g->ldb);
-            for (int q = 0; q < 8; q++) store(g, m, j + q, c[q]);
-        }
-        for (; j < j1; j++) {
-            float s = 0.0f;
-            for (int k = 0; k < K; k++) s += a[k] * g->B[(size_t)k * g->ldb + j];
-            store(g, m, j, s);
-        }
-    }
 }
 
 static void run_columns(const job_t *g, int j0, int j1) {
-    if (j0 >= j1) return;
-    if (g->nt)
-        nt_columns(g, j0, j1);
-    else
-        nn_columns(g, j0, j1);
+    if (j0 < j1) nt_columns(g, j0, j1);
 }
 
 /* ---- a small persistent pool: part p of P takes the p-th slice of the columns ------------- */
@@ -310,9 +308,9 @@ static void run(const job_t *g) {
 
 void cblas_sgemm(int layout, int ta, int tb, int M, int N, int K, float alpha, const float *A,
                  int lda, const float *B, int ldb, float beta, float *C, int ldc) {
-    if (enabled && layout == ROW_MAJOR && ta == NO_TRANS && (tb == TRANS || tb == NO_TRANS) &&
-        M >= 1 && M <= max_rows && N >= 1 && K >= 1) {
-        job_t g = {tb == TRANS, M, N, K, lda, ldb, ldc, alpha, beta, A, B, C};
+    if (enabled && layout == ROW_MAJOR && ta == NO_TRANS && tb == TRANS && M >= 1 &&
+        M <= max_rows && N >= 1 && K >= MIN_DOT) {
+        job_t g = {M, N, K, lda, ldb, ldc, alpha, beta, A, B, C};
         run(&g);
         atomic_fetch_add_explicit(&handled, 1, memory_order_relaxed);
         return;

@@ -32,7 +32,7 @@ def close(got: mx.array, want: np.ndarray, k: int) -> None:
 @given(
     m=st.integers(1, 40),  # up to 32 here, more goes to the BLAS
     n=st.integers(1, 300),
-    k=st.integers(1, 200),  # not multiples of 8: the vector tails
+    k=st.integers(1, 300),  # the kernel takes k >= 128; every tail of 16 and 8
     transposed=st.booleans(),
     bias=st.booleans(),
     seed=st.integers(0, 2**16),
@@ -69,19 +69,17 @@ def test_large_products_use_the_pool_and_stay_correct():
         close(mx.array(a) @ mx.array(b), reference(a, b), k)
 
 
-@pytest.mark.parametrize("transposed", [True, False])
-def test_each_row_is_bit_identical_to_that_row_alone(transposed):
+@pytest.mark.parametrize("k", [903, 896, 136, 128])  # every tail: K % 16 = 7, 0, 8, 0
+@pytest.mark.parametrize("m", [2, 3, 4, 5, 8, 32])  # one weight row per pass, and 4-row blocks
+def test_each_row_is_bit_identical_to_that_row_alone(m, k):
     """A tree node's activations get exactly the arithmetic of the same token decoded alone."""
     rng = np.random.default_rng(1)
-    k, n = 903, 4100
-    w = mx.array(rng.standard_normal((n, k) if transposed else (k, n), dtype=np.float32))
-    w = w.T if transposed else w
-    x = mx.array(rng.standard_normal((32, k), dtype=np.float32))
-    for m in (2, 3, 5, 8, 32):
-        together = np.array(x[:m] @ w)
-        for i in range(m):
-            alone = np.array(x[i : i + 1] @ w)[0]
-            assert np.array_equal(together[i], alone), (m, i)
+    w = mx.array(rng.standard_normal((4103, k), dtype=np.float32)).T  # odd N: column tails
+    x = mx.array(rng.standard_normal((m, k), dtype=np.float32))
+    together = np.array(x @ w)
+    for i in range(m):
+        alone = np.array(x[i : i + 1] @ w)[0]
+        assert np.array_equal(together[i], alone), (m, i)
 
 
 def test_few_rows_go_to_the_kernel_and_many_to_the_blas():
@@ -91,6 +89,16 @@ def test_few_rows_go_to_the_kernel_and_many_to_the_blas():
     assert _blas.handled_products() == before + 1
     mx.eval(mx.random.normal((64, 256)) @ w.T)  # prefill-sized: the BLAS's
     assert _blas.handled_products() == before + 1
+
+
+def test_attention_products_stay_with_the_blas():
+    """Scores over a head dimension (K < 128) and probabilities @ values (not x @ W^T): the
+    operands are in cache and the BLAS is faster there."""
+    before = _blas.handled_products()
+    q, keys = mx.random.normal((7, 64)), mx.random.normal((400, 64))
+    mx.eval(q @ keys.T)
+    mx.eval(mx.random.normal((7, 400)) @ mx.random.normal((400, 64)))
+    assert _blas.handled_products() == before
 
 
 def test_two_streams_at_once():
@@ -144,7 +152,7 @@ def test_a_forked_child_starts_its_own_pool():
 def test_rows_zero_turns_it_off():
     r = run(
         "import redrafter_mlx, redrafter_mlx._blas as b, mlx.core as mx;"
-        "mx.eval(mx.ones((2, 64)) @ mx.ones((64, 64)));"
+        "mx.eval(mx.ones((2, 256)) @ mx.ones((64, 256)).T);"
         "print(b.gemm, b.handled_products(), b.summary())",
         REDRAFTER_GEMM_ROWS="0",
     )
