@@ -1,12 +1,16 @@
 """An mlx-lm model that can verify a token tree in one forward pass.
 
-Two small interventions, no forked model files:
+Three small interventions, no forked model files:
 
 - every layer gets a :class:`~redrafter_mlx.kv_cache.TreeKVCache`, whose ``make_mask`` returns
   the tree's ``[past | tree]`` boolean mask during a tree forward;
 - every attention's ``rope`` is wrapped by :class:`TreeRoPE`, which applies the original rope
   at per-token positions (``past + depth``) by moving the tokens onto the batch axis, so
-  ``mx.fast.rope`` gets one offset per token. Outside our forwards the wrapper passes through.
+  ``mx.fast.rope`` gets one offset per token. Outside our forwards the wrapper passes through;
+- the model module's ``scaled_dot_product_attention`` (mlx-lm's shared helper, which every
+  attention calls with its cache) is wrapped so that attention over a tree or a short chain in
+  one of our caches runs :func:`~redrafter_mlx.tree_attention.attend`; every other call passes
+  through unchanged.
 
 The forward returns the hidden states after the final norm; the drafter needs them and the
 logits are one ``lm_head`` away.
@@ -14,11 +18,19 @@ logits are one ``lm_head`` away.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from .adapters import FamilyAdapter, adapter_for
 from .kv_cache import WINDOW_SLACK, TreeContext, TreeKVCache
+from .tree_attention import attend
+
+#: Longest run of new tokens whose attention :func:`attend` computes; longer ones (prompt
+#: chunks) keep mlx-lm's path, which does not hold all n x S scores at once.
+MAX_ATTEND_TOKENS = 64
 
 
 class TreeRoPE(nn.Module):
@@ -39,6 +51,31 @@ class TreeRoPE(nn.Module):
         return self.rope(x.swapaxes(0, 2), offset=positions).swapaxes(0, 2)
 
 
+def _routed_attention(original: Callable) -> Callable:
+    """mlx-lm's ``scaled_dot_product_attention``, sending our tree forwards to :func:`attend`."""
+
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if (
+            sinks is None
+            and isinstance(cache, TreeKVCache)
+            and cache.context.positions is not None
+            and 1 < queries.shape[2] <= MAX_ATTEND_TOKENS
+            and (mask is None or isinstance(mask, str) or mask.ndim == 2)
+        ):
+            return attend(queries, keys, values, scale, mask)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    scaled_dot_product_attention.redrafter_original = original
+    return scaled_dot_product_attention
+
+
+def _route_attention(attention: nn.Module) -> None:
+    module = sys.modules[type(attention).__module__]
+    original = getattr(module, "scaled_dot_product_attention", None)
+    if original is not None and not hasattr(original, "redrafter_original"):
+        module.scaled_dot_product_attention = _routed_attention(original)
+
+
 class TreeLLM:
     """Wraps an mlx-lm model (patched in place, behaviour unchanged outside tree forwards)."""
 
@@ -52,6 +89,7 @@ class TreeLLM:
             self.context = TreeContext()
             for attn in self.adapter.attention_modules(model):
                 attn.rope = TreeRoPE(attn.rope, self.context)
+                _route_attention(attn)
             model._redrafter_context = self.context
         self.windows = self.adapter.layer_windows(model)
         self.embed_tokens = self.adapter.embed_tokens(model)

@@ -1,7 +1,7 @@
 """Packing beams into a prefix tree: properties, masks, and exact logits over the tree."""
 
 from redrafter_mlx.llm import TreeLLM
-from redrafter_mlx.tree_attention import pack_beams, unpack
+from redrafter_mlx.tree_attention import attend, pack_beams, unpack
 
 import mlx.core as mx
 import numpy as np
@@ -98,3 +98,49 @@ def test_tree_logits_equal_sequential_logits(family):
         ref = np.array(model(seq)[0, past:])  # plain mlx-lm forward, no cache
         got = tree_logits[tree.unpacker[b]]
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 4),
+    n=st.integers(1, 9),
+    past=st.integers(0, 20),
+    kind=st.sampled_from(["bool", "causal", "additive", "none"]),
+    seed=st.integers(0, 2**16),
+)
+def test_attend_equals_mlx_attention(kv_heads, group, n, past, kind, seed):
+    """The folded attention of a tree forward == mx.fast.scaled_dot_product_attention."""
+    rng = np.random.default_rng(seed)
+    S = past + n
+    q = mx.array(rng.standard_normal((1, kv_heads * group, n, 16), dtype=np.float32))
+    k, v = (mx.array(rng.standard_normal((1, kv_heads, S, 16), dtype=np.float32)) for _ in "kv")
+    mask = None
+    if kind == "bool":  # a random tree over the new tokens: each sees itself and its past
+        tree = np.tril(rng.random((n, n)) < 0.5) | np.eye(n, dtype=bool)
+        mask = mx.array(np.concatenate([np.ones((n, past), bool), tree], 1))
+    elif kind == "additive":
+        mask = mx.array(rng.standard_normal((n, S), dtype=np.float32))
+    elif kind == "causal":
+        mask = "causal"
+    got = attend(q, k, v, 0.25, mask)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+
+
+def test_tree_forwards_use_the_folded_attention(monkeypatch):
+    """Routed only inside our forwards of 2..64 tokens; plain mlx-lm calls are untouched."""
+    import redrafter_mlx.llm as llm_module
+
+    calls = []
+    real = llm_module.attend
+    monkeypatch.setattr(llm_module, "attend", lambda *a: calls.append(a[0].shape) or real(*a))
+    model = tiny_llm("llama")
+    llm = TreeLLM(model)
+    cache = llm.make_cache()
+    llm.hidden_states(mx.arange(5), cache, positions=0)  # a 5-token chain (prompt)
+    assert len(calls) == len(cache)
+    calls.clear()
+    model(mx.arange(5)[None])  # mlx-lm's own forward, no tree cache
+    llm.hidden_states(mx.arange(1), cache, positions=5)  # one token: mlx-lm's vector path
+    assert calls == []
