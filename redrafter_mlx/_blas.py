@@ -114,8 +114,12 @@ def _load_openblas(explicit: str | None) -> str | None:
 
 
 def summary() -> str:
-    """What computes MLX's matrix products here, in one string (benchmarks print it)."""
-    return status if gemm == "not-run" else f"{status}; few-row gemm {gemm}"
+    """What computes MLX's matrix products here, in one string (benchmarks print it; stored
+    tunes compare it, so a kernel with another cost curve invalidates them)."""
+    if gemm == "not-run":
+        return status
+    version = getattr(_gemm_lib, "redrafter_gemm_version", None)
+    return f"{status}; few-row gemm {gemm}" + (f" v{version()}" if gemm == "on" and version else "")
 
 
 def _gemm_library() -> Path | None:

@@ -345,5 +345,8 @@ int redrafter_gemm_init(int rows, int threads) {
     return enabled;
 }
 
+/* Changes whenever the kernel's arithmetic or speed does: stored tunes (step costs) name it. */
+int redrafter_gemm_version(void) { return 2; }
+
 /* Products computed here so far (tests check the interposition is live). */
 long redrafter_gemm_handled(void) { return atomic_load(&handled); }
