@@ -145,8 +145,9 @@ def attend(
     tokens are the last n of S) or an [n, S] boolean (True: attend) or additive array.
     Returns [B, Hq, n, D], what ``mx.fast.scaled_dot_product_attention`` returns. The
     ``Hq / Hkv`` query heads that share a KV head are folded into the rows of one product per KV
-    head; MLX's CPU path multiplies each query head on its own, which costs ~5% of a 3-token
-    verification forward of Qwen2.5-0.5B (measured: ``python bench/verify_cost.py``).
+    head; MLX's CPU path multiplies each query head on its own. Folding made a 2-3 token forward
+    of Qwen2.5-0.5B 5-14% cheaper on the 2-core AMD machine (``python bench/verify_cost.py``:
+    "chain" against mlx-lm's "plain").
     """
     B, Hq, n, D = queries.shape
     Hkv, S = keys.shape[1], keys.shape[2]
