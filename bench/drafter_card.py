@@ -25,6 +25,7 @@ from redrafter_mlx.distill_data import greedy_with_hidden
 from redrafter_mlx.generate import stream_redrafter
 from redrafter_mlx.llm import TreeLLM
 from redrafter_mlx.loading import load
+from redrafter_mlx.recipe import lineage
 from redrafter_mlx.verification import SamplingParams
 
 import mlx.core as mx
@@ -63,20 +64,6 @@ def cache_file(model_dir: Path, args, mode: str) -> Path | None:
     return paths.cache_dir() / "card-answers" / f"{digest}.safetensors"
 
 
-def lineage(report: dict) -> list[dict]:
-    """The training stages behind a drafter, oldest first: a drafter trained with
-    ``--init-drafter`` carries its starting point's report as ``init_report``."""
-    stages = [report]
-    while stages[0].get("init_report"):
-        stages.insert(0, stages[0]["init_report"])
-    if stages[0]["recipe"].get("init_drafter"):
-        raise ValueError(
-            f"the report continues {stages[0]['recipe']['init_drafter']} but does not hold "
-            "its report (init_report); retrain with a redrafter-mlx that records it"
-        )
-    return stages
-
-
 def train_command(report: dict, out: str = "DRAFTER_DIR", init: str | None = None) -> str:
     """The `redrafter train` line that reproduces one stage of ``report.json`` into ``out``,
     continuing the drafter at ``init`` for a stage trained with ``--init-drafter``."""
@@ -104,6 +91,10 @@ def train_command(report: dict, out: str = "DRAFTER_DIR", init: str | None = Non
     if r.get("final_vocab"):
         flags["--final-vocab"] = r["final_vocab"]
     args = " ".join(f"{k} {v}" for k, v in flags.items())
+    if r.get("chat_share", 0.5) == 0:
+        args += " --completions-only"
+    if r.get("fresh_prompts"):
+        args += " --fresh-prompts"
     return f"redrafter train --out {out} {args}"
 
 
@@ -112,9 +103,11 @@ def stage_lines(report: dict) -> list[str]:
     r, t = report["recipe"], report["recipe"]["train"]
     acc = ", ".join(f"{a:.3f}" for a in report["heldout_accuracy_by_horizon"])
     answers = report["data"].get("answers", r["num_prompts"])
+    kind = "raw completions only" if r.get("chat_share", 0.5) == 0 else "half as chat requests"
+    fresh = ", none used by an earlier stage" if r.get("fresh_prompts") else ""
     return [
-        f"- Data: {answers} prompts from the Python standard library (seed {t['seed']}; "
-        f"{r['held_out']} held out), answered greedily by the LLM, at most "
+        f"- Data: {answers} prompts from the Python standard library ({kind}{fresh}; "
+        f"seed {t['seed']}; {r['held_out']} held out), answered greedily by the LLM, at most "
         f"{r['max_new_tokens']} new tokens: {report['data']['tokens']} answer tokens.",
         f"- Draft vocabulary: {report['draft_vocab_size']} tokens, covering "
         f"{report['draft_vocab_coverage_train']:.1%} of training and "

@@ -21,6 +21,12 @@ def train(
     work_dir: Annotated[Path | None, opt("--work-dir", "Data/checkpoint folder.")] = None,
     prompts: Annotated[Path | None, opt("--prompts", "JSONL of prompts (default: stdlib).")] = None,
     num_prompts: Annotated[int, opt("--num-prompts", "Prompts drawn from the corpus.")] = 1200,
+    completions_only: Annotated[
+        bool, opt("--completions-only", "Stdlib prompts as raw code completions, no chat.")
+    ] = False,
+    fresh_prompts: Annotated[
+        bool, opt("--fresh-prompts", "Stdlib prompts the --init-drafter was not trained on.")
+    ] = False,
     held_out: Annotated[int, opt("--held-out", "Prompts kept for evaluation.")] = 24,
     max_new_tokens: Annotated[int, opt("--max-new-tokens", "Answer length cap.")] = 160,
     gen_batch: Annotated[int, opt("--gen-batch", "Prompts answered per batch.")] = 16,
@@ -89,6 +95,8 @@ def train(
             draft_vocab=draft_vocab or None,
             final_vocab=final_vocab or None,
             prompts_file=str(prompts) if prompts else None,
+            chat_share=0.0 if completions_only else 0.5,
+            fresh_prompts=fresh_prompts,
             answered_only=answered_only,
             init_drafter=str(init_drafter) if init_drafter else None,
             dtype=dtype,

@@ -17,10 +17,11 @@ HumanEval is the benchmark and is never used here.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import random
 import sysconfig
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,12 +70,45 @@ def stdlib_functions(limit_files: int | None = None) -> Iterator[str]:
             yield "\n".join(line[indent:] for line in head)
 
 
-def build_prompts(tokenizer, n: int, seed: int = 0, chat_share: float = 0.5) -> list[list[int]]:
-    """``n`` distinct prompts from the standard library, shuffled with ``seed``."""
-    snippets = sorted(set(stdlib_functions()))
+@functools.cache
+def _stdlib_snippets() -> tuple[str, ...]:
+    return tuple(sorted(set(stdlib_functions())))
+
+
+def stdlib_snippets(n: int, seed: int = 0, exclude: Collection[str] = ()) -> list[str]:
+    """The first ``n`` standard-library snippets not in ``exclude``, shuffled with ``seed``.
+
+    Raises if fewer than ``n`` are left."""
+    excluded = set(exclude)
+    snippets = [s for s in _stdlib_snippets() if s not in excluded]
     random.Random(seed).shuffle(snippets)
+    if len(snippets) < n:
+        raise ValueError(
+            f"the standard library has {len(snippets)} prompts left ({len(excluded)} excluded), "
+            f"{n} asked: lower --num-prompts"
+        )
+    return snippets[:n]
+
+
+def snippets_used_by(recipes: list[dict]) -> set[str]:
+    """The standard-library snippets that training stages (their recipes as stored in
+    ``report.json``, oldest first) prompted with, so a new stage can train on fresh ones."""
+    used: set[str] = set()
+    for r in recipes:
+        if r.get("prompts_file"):  # a user's prompts: none from the corpus
+            continue
+        exclude = used if r.get("fresh_prompts") else ()
+        used |= set(stdlib_snippets(r["num_prompts"], r["train"]["seed"], exclude))
+    return used
+
+
+def build_prompts(
+    tokenizer, n: int, seed: int = 0, chat_share: float = 0.5, exclude: Collection[str] = ()
+) -> list[list[int]]:
+    """``n`` distinct prompts from the standard library, shuffled with ``seed``: raw
+    completions, and with ``chat_share`` > 0 every other one as a chat request instead."""
     prompts = []
-    for i, snippet in enumerate(snippets[:n]):
+    for i, snippet in enumerate(stdlib_snippets(n, seed, exclude)):
         if tokenizer.chat_template is not None and i % 2 == 0 and chat_share > 0:
             content = CHAT_REQUEST.format(snippet)
             prompts.append(
@@ -84,8 +118,6 @@ def build_prompts(tokenizer, n: int, seed: int = 0, chat_share: float = 0.5) -> 
             )
         else:
             prompts.append(tokenizer.encode(snippet + "\n"))
-    if len(prompts) < n:
-        raise ValueError(f"the standard library gave only {len(prompts)} prompts, {n} asked")
     return prompts
 
 

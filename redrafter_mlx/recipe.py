@@ -75,6 +75,8 @@ class Recipe:
     draft_vocab: int | None = 16384  # None: the full vocabulary
     final_vocab: int | None = None  # shrink the trained draft vocab to this size before saving
     prompts_file: str | None = None  # a JSONL of prompts/texts instead of the stdlib corpus
+    chat_share: float = 0.5  # stdlib prompts: > 0 asks every other one as a chat request
+    fresh_prompts: bool = False  # stdlib prompts none of init_drafter's stages used
     answered_only: bool = False  # train on the prompts the data folder has answered; add none
     init_drafter: str | None = None  # go on training this drafter (its weights and vocabulary)
     dtype: str = "float16"  # of the saved drafter
@@ -87,10 +89,25 @@ class Recipe:
 def prepare_data(model, tokenizer, recipe: Recipe, data_dir: Path, log: Log, progress=None):
     """Prompts, generations and hidden states, each cached in ``data_dir``."""
     data_dir.mkdir(parents=True, exist_ok=True)
+    if recipe.prompts_file and (recipe.fresh_prompts or recipe.chat_share != Recipe.chat_share):
+        raise ValueError(
+            "--completions-only and --fresh-prompts choose prompts from the standard library; "
+            "a --prompts file is used as it is: drop one or the other"
+        )
     if recipe.prompts_file:
         prompts = data.read_jsonl_prompts(recipe.prompts_file, tokenizer)
     else:
-        prompts = data.build_prompts(tokenizer, recipe.num_prompts, seed=recipe.train.seed)
+        used = set()
+        if recipe.fresh_prompts:
+            used = data.snippets_used_by([r["recipe"] for r in init_lineage(recipe)])
+            log(f"prompts: skipping the {len(used)} the drafter's earlier stages used")
+        prompts = data.build_prompts(
+            tokenizer,
+            recipe.num_prompts,
+            seed=recipe.train.seed,
+            chat_share=recipe.chat_share,
+            exclude=used,
+        )
     prompts_path = data_dir / "prompts.jsonl"
     cached = []
     if prompts_path.exists():
@@ -135,6 +152,34 @@ def prepare_data(model, tokenizer, recipe: Recipe, data_dir: Path, log: Log, pro
     log(f"answers: {len(examples)}, {tokens} tokens ({gen_s:.0f} s this run)")
     report = {"generation_s_this_run": gen_s, "answers": len(examples), "tokens": tokens}
     return samples, examples, report
+
+
+def lineage(report: dict) -> list[dict]:
+    """The training stages behind a drafter (their reports), oldest first: a drafter trained
+    with ``init_drafter`` carries its starting point's report as ``init_report``."""
+    stages = [report]
+    while stages[0].get("init_report"):
+        stages.insert(0, stages[0]["init_report"])
+    if stages[0]["recipe"].get("init_drafter"):
+        raise ValueError(
+            f"the report continues {stages[0]['recipe']['init_drafter']} but does not hold "
+            "its report (init_report); retrain with a redrafter-mlx that records it"
+        )
+    return stages
+
+
+def init_lineage(recipe: Recipe) -> list[dict]:
+    """The stages of the drafter ``recipe`` continues, from its ``report.json``."""
+    parent = Path(recipe.init_drafter or "") / "report.json"
+    if not recipe.init_drafter or not parent.is_file():
+        raise ValueError(
+            "fresh prompts skip those the continued drafter was trained on, which its "
+            "report.json names: pass --init-drafter with a drafter from `redrafter train` "
+            f"(no {parent})"
+            if recipe.init_drafter
+            else "fresh prompts skip those of the drafter being continued: pass --init-drafter"
+        )
+    return lineage(json.loads(parent.read_text()))
 
 
 def held_out_ids(examples: dict[int, Example], held_out: int) -> list[int]:

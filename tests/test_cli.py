@@ -277,6 +277,11 @@ def test_train_init_drafter_continues_a_trained_drafter(tiny_llm_dir, tmp_path):
     command = card.train_command(second_stage, "DRAFTER_2", init="DRAFTER_1")
     assert "--init-drafter DRAFTER_1" in command and "--draft-vocab" not in command
     assert "--draft-vocab 64" in card.train_command(first_stage)
+    assert "--completions-only" not in command and "half as chat" in card.stage_lines(report)[0]
+    fresh = {**second_stage, "recipe": {**second_stage["recipe"], "chat_share": 0.0}}
+    fresh["recipe"]["fresh_prompts"] = True
+    assert card.train_command(fresh).endswith(" --completions-only --fresh-prompts")
+    assert "(raw completions only, none used by an earlier stage;" in card.stage_lines(fresh)[0]
     info = {"chip": "c", "cpu_count": 2, "platform": "p", "mlx": "m", "mlx_lm": "l", "device": "d"}
     text = card.card_markdown(report, {"greedy": {"W=1,L=3": 1.5}}, "0-1", 8, info)
     assert "Stage 2 (continues stage 1)" in text and "| W=1 | 1.50 |" in text

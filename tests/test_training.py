@@ -280,7 +280,7 @@ def test_cached_prompts_extend_or_refuse(tmp_path, monkeypatch):
 
     monkeypatch.setattr(distill_data, "generate_dataset", fake_generate)
     monkeypatch.setattr(
-        distill_data, "build_prompts", lambda tok, n, seed: [[seed, i] for i in range(n)]
+        distill_data, "build_prompts", lambda tok, n, seed, **kw: [[seed, i] for i in range(n)]
     )
 
     def prepare(n: int, seed: int = 0) -> list:
@@ -298,6 +298,63 @@ def test_cached_prompts_extend_or_refuse(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match="holds 6 prompts .* use a new --work-dir"):
             prepare(n, seed)
     assert (tmp_path / "prompts.jsonl").read_text().splitlines() == cached
+
+
+def test_fresh_prompts_skip_every_earlier_stage(tmp_path, monkeypatch):
+    """--fresh-prompts draws stdlib prompts that none of the continued drafter's stages used
+    (a fresh stage's own picks included), reproducibly from the reports alone."""
+    from redrafter_mlx import distill_data, recipe
+
+    corpus = tuple(f"def f{i}():\n    'doc'" for i in range(40))
+    monkeypatch.setattr(distill_data, "_stdlib_snippets", lambda: corpus)
+
+    def stage(n, seed, **kw) -> dict:
+        return {"num_prompts": n, "train": {"seed": seed}, **kw}
+
+    one = set(distill_data.stdlib_snippets(10, 0))
+    two = set(distill_data.stdlib_snippets(10, 1, exclude=one))
+    assert len(one) == len(two) == 10 and not one & two
+    stages = [stage(10, 0), stage(10, 1, fresh_prompts=True), stage(99, 5, prompts_file="x")]
+    assert distill_data.snippets_used_by(stages) == one | two
+    # Stages that were not fresh may repeat prompts: the used set is their union.
+    assert distill_data.snippets_used_by([stage(10, 0), stage(10, 0)]) == one
+    with pytest.raises(ValueError, match="20 excluded.*lower --num-prompts"):
+        distill_data.stdlib_snippets(21, 2, exclude=one | two)
+
+    seen = []
+
+    def fake_build(tok, n, seed, chat_share, exclude):
+        seen.append((chat_share, set(exclude)))
+        return [[seed, i] for i in range(n)]
+
+    class Stop(Exception):
+        pass
+
+    def fake_generate(*a, **kw):
+        raise Stop
+
+    monkeypatch.setattr(distill_data, "build_prompts", fake_build)
+    monkeypatch.setattr(distill_data, "generate_dataset", fake_generate)
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    report = {"recipe": {**stage(10, 1, fresh_prompts=True), "init_drafter": "g"}}
+    report["init_report"] = {"recipe": stage(10, 0)}
+    (parent / "report.json").write_text(json.dumps(report))
+    tokenizer = types.SimpleNamespace(eos_token_ids=[0])
+    fresh = recipe.Recipe(num_prompts=5, fresh_prompts=True, chat_share=0.0)
+    fresh.init_drafter = str(parent)
+    with pytest.raises(Stop):
+        recipe.prepare_data(None, tokenizer, fresh, tmp_path / "d", log=lambda m: None)
+    assert seen == [(0.0, one | two)]
+    # Fresh prompts need a drafter whose report names what it used; a prompts file is not
+    # combined with stdlib choices.
+    for bad, match in (
+        (recipe.Recipe(fresh_prompts=True), "pass --init-drafter"),
+        (recipe.Recipe(fresh_prompts=True, init_drafter=str(tmp_path)), "no .*report.json"),
+        (recipe.Recipe(prompts_file="p.jsonl", chat_share=0.0), "drop one or the other"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            recipe.prepare_data(None, tokenizer, bad, tmp_path / "e", log=lambda m: None)
 
 
 def test_answered_only_uses_the_folder_as_it_is(tmp_path, monkeypatch):
@@ -325,7 +382,9 @@ def test_answered_only_uses_the_folder_as_it_is(tmp_path, monkeypatch):
 
     empty = tmp_path / "empty"
     tokenizer = types.SimpleNamespace(eos_token_ids=[0])
-    monkeypatch.setattr("redrafter_mlx.distill_data.build_prompts", lambda tok, n, seed: prompts)
+    monkeypatch.setattr(
+        "redrafter_mlx.distill_data.build_prompts", lambda tok, n, seed, **kw: prompts
+    )
     r = recipe.Recipe(num_prompts=5, answered_only=True)
     with pytest.raises(ValueError, match="no answered prompts .*drop --answered-only"):
         recipe.prepare_data(model, tokenizer, r, empty, log=lambda m: None)
