@@ -88,13 +88,16 @@ def main() -> None:
             tally = {p: [0, 0, 0] for p in ("drafter", "union", "replace")}  # steps, tok, nodes
             for prompt, c, h in zip(prompts, conts, hidden, strict=True):
                 pos = {p: 0 for p in tally}
+                drafts: dict[int, list[int]] = {}  # by root position: policies share them
                 for policy, t in tally.items():
                     while pos[policy] < len(c) - 1:
                         p = pos[policy]
-                        state = mx.array(h[p][None].astype(np.float32))
-                        root = mx.array([c[p]])
-                        beams = beam_search(drafter, embed, state, root, 1, length).tokens
-                        draft = np.array(beams)[0, 0, 1:].tolist()
+                        if p not in drafts:
+                            state = mx.array(h[p][None].astype(np.float32))
+                            root = mx.array([c[p]])
+                            beams = beam_search(drafter, embed, state, root, 1, length).tokens
+                            drafts[p] = np.array(beams)[0, 0, 1:].tolist()
+                        draft = drafts[p]
                         future = c[p + 1 : p + length]
                         found, n = lookup(prompt + c[: p + 1], length - 1, min_ngram)
                         a, nodes = matched(draft, future), length

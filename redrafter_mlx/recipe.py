@@ -170,14 +170,16 @@ def lineage(report: dict) -> list[dict]:
 
 def init_lineage(recipe: Recipe) -> list[dict]:
     """The stages of the drafter ``recipe`` continues, from its ``report.json``."""
-    parent = Path(recipe.init_drafter or "") / "report.json"
-    if not recipe.init_drafter or not parent.is_file():
+    if not recipe.init_drafter:
+        raise ValueError(
+            "fresh prompts skip those of the drafter being continued: pass --init-drafter"
+        )
+    parent = Path(recipe.init_drafter) / "report.json"
+    if not parent.is_file():
         raise ValueError(
             "fresh prompts skip those the continued drafter was trained on, which its "
             "report.json names: pass --init-drafter with a drafter from `redrafter train` "
             f"(no {parent})"
-            if recipe.init_drafter
-            else "fresh prompts skip those of the drafter being continued: pass --init-drafter"
         )
     return lineage(json.loads(parent.read_text()))
 
