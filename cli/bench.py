@@ -12,6 +12,7 @@ from rich.table import Table
 from .common import (
     DrafterOpt,
     LengthOpt,
+    LookupOpt,
     MaxTokensOpt,
     MinPOpt,
     ModelOpt,
@@ -46,12 +47,43 @@ def parse_grid(grid: str) -> list[tuple[int, int]]:
     return pairs
 
 
+def parse_lookups(lookup: str) -> list[int]:
+    """``0,3`` -> [0, 3]: the prompt-lookup n-gram sizes to run each config with (0: off)."""
+    try:
+        sizes = [int(n) for n in lookup.split(",")]
+    except ValueError:
+        raise ValueError(f"--lookup {lookup!r}: expected n-gram sizes like 3 or 0,3") from None
+    if any(n < 0 for n in sizes) or len(set(sizes)) != len(sizes):
+        raise ValueError(f"--lookup {lookup!r}: sizes must be distinct and >= 0 (0: off)")
+    return sizes
+
+
+def run_name(W: int, L: int, pruned: bool = False, lookup: int = 0) -> str:
+    return (
+        f"ReDrafter W={W} L={L}"
+        + (" pruned" if pruned else "")
+        + (f" lookup {lookup}" if lookup else "")
+    )
+
+
 def run_bench(
-    model, drafter, prompts, configs, sampling, max_tokens, stop, seed, profile, log, prune=False
+    model,
+    drafter,
+    prompts,
+    configs,
+    sampling,
+    max_tokens,
+    stop,
+    seed,
+    profile,
+    log,
+    prune=False,
+    lookups=(0,),
 ) -> tuple[dict, list]:
     """AR and every (W, L) config on every prompt, alternating; returns summary and runs.
 
-    ``prune`` adds a pruned run of each config, with the step cost measured here first.
+    ``prune`` adds a pruned run of each config, with the step cost measured here first;
+    each config runs once per prompt-lookup size in ``lookups``.
     """
     from redrafter_mlx.benchmark import compare, summarize
     from redrafter_mlx.generate import step_cost, stream_autoregressive, stream_generate
@@ -72,18 +104,28 @@ def run_bench(
     runners = {"AR (mlx-lm)": seeded(lambda ids: stream_autoregressive(model, ids, **kw))}
     budgets = {}
     for W, L in configs:
-        runners[f"ReDrafter W={W} L={L}"] = seeded(
-            lambda ids, W=W, L=L: stream_generate(
-                model, drafter, ids, beam_width=W, beam_length=L, profile=profile, **kw
+        for n in lookups:
+            runners[run_name(W, L, False, n)] = seeded(
+                lambda ids, W=W, L=L, n=n: stream_generate(
+                    model,
+                    drafter,
+                    ids,
+                    beam_width=W,
+                    beam_length=L,
+                    profile=profile,
+                    lookup=n,
+                    **kw,
+                )
             )
-        )
-        if prune:
-            cost = step_cost(model, drafter, W, L)
-            ratios = " ".join(f"{c / cost[0]:.2f}" for c in cost)
-            log(f"[dim]W={W} L={L}: step cost for 1..{len(cost)} tokens, x one: {ratios}[/dim]")
-            budget = budgets[W, L] = TreeBudget(cost)  # one per config, calibrated as in chat
-            runners[f"ReDrafter W={W} L={L} pruned"] = seeded(
-                lambda ids, W=W, L=L, budget=budget: stream_generate(
+        if not prune:
+            continue
+        cost = step_cost(model, drafter, W, L)
+        ratios = " ".join(f"{c / cost[0]:.2f}" for c in cost)
+        log(f"[dim]W={W} L={L}: step cost for 1..{len(cost)} tokens, x one: {ratios}[/dim]")
+        for n in lookups:
+            budget = budgets[run_name(W, L, True, n)] = TreeBudget(cost)  # calibrated as in chat
+            runners[run_name(W, L, True, n)] = seeded(
+                lambda ids, W=W, L=L, n=n, budget=budget: stream_generate(
                     model,
                     drafter,
                     ids,
@@ -91,6 +133,7 @@ def run_bench(
                     beam_length=L,
                     profile=profile,
                     budget=budget,
+                    lookup=n,
                     **kw,
                 )
             )
@@ -103,9 +146,9 @@ def run_bench(
 
     results = compare(prompts, runners, on_result=on_result)
     summary = summarize(results, baseline="AR (mlx-lm)")
-    for (W, L), budget in budgets.items():
-        log(f"[dim]W={W} L={L} pruned: calibration alpha {budget.alpha:.2f} at the end[/dim]")
-        row = summary[f"ReDrafter W={W} L={L} pruned"]
+    for name, budget in budgets.items():
+        log(f"[dim]{name}: calibration alpha {budget.alpha:.2f} at the end[/dim]")
+        row = summary[name]
         row["step_cost"], row["alpha"] = list(budget.step_cost), budget.alpha
     return summary, results
 
@@ -126,7 +169,8 @@ def render(summary: dict, info: dict, title: str, greedy: bool) -> Table:
         f"{info['mlx']} · mlx-lm {info['mlx_lm']} · {info['device']} · {info['blas']}",
     )
     table.add_column("", no_wrap=True)
-    for col in ("tokens/s", "speedup", "tokens/step", "verified", "accepted ≥1/≥2/≥3", "peak GB"):
+    columns = ("tokens/s", "speedup", "tokens/step", "verified", "accepted ≥1/≥2/≥3", "lookup")
+    for col in (*columns, "peak GB"):
         table.add_column(col, justify="right")
     if greedy:
         table.add_column("identical", justify="right")
@@ -139,6 +183,7 @@ def render(summary: dict, info: dict, title: str, greedy: bool) -> Table:
             f"{row['tokens_per_step']:.2f}",
             f"{row['tree_tokens']:.1f}",
             acc,
+            f"{row['lookup_share']:.0%}" if "lookup" in name else "-",
             f"{row['peak_memory_gb']:.2f}",
         ]
         if greedy:
@@ -158,11 +203,13 @@ def require_matplotlib():
     return plt
 
 
-def heat_map(summary: dict, configs: list[tuple[int, int]], path: Path, title: str) -> None:
+def heat_map(
+    summary: dict, configs: list[tuple[int, int]], path: Path, title: str, lookup: int = 0
+) -> None:
     plt = require_matplotlib()
     widths = sorted({w for w, _ in configs})
     lengths = sorted({n for _, n in configs})
-    grid = [[summary[f"ReDrafter W={w} L={n}"]["speedup"] for n in lengths] for w in widths]
+    grid = [[summary[run_name(w, n, False, lookup)]["speedup"] for n in lengths] for w in widths]
     fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 2, 0.9 * len(widths) + 1.5))
     im = ax.imshow(grid, cmap="viridis", origin="lower")
     ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
@@ -208,6 +255,14 @@ def bench(
         bool,
         typer.Option("--prune", help="Also run each config pruned to the nodes worth their cost."),
     ] = False,
+    lookup: Annotated[
+        str,
+        typer.Option(
+            "--lookup",
+            help="Prompt-lookup n-gram sizes to run each config with, e.g. 0,3 (0: off; "
+            "chat and generate use 3).",
+        ),
+    ] = "3",
     verbose: VerboseOpt = False,
 ) -> None:
     """Measure ReDrafter against mlx-lm's autoregressive decoding on the same prompts."""
@@ -222,6 +277,7 @@ def bench(
             raise ValueError("--png draws a --grid sweep; pass --grid too")
         if png is not None:
             require_matplotlib()
+        lookups = parse_lookups(lookup)
         configs = (
             parse_grid(grid)
             if grid
@@ -247,6 +303,7 @@ def bench(
             profile,
             err.print,
             prune,
+            lookups,
         )
         settings.put(model_dir, "ar_tokens_per_s", summary["AR (mlx-lm)"]["generation_tps"])
         mode = "greedy" if sampling.greedy else f"temp {temp}, top-p {top_p}"
@@ -265,10 +322,11 @@ def bench(
                     phases = ", ".join(f"{k} {v:.1f}" for k, v in row["phase_ms"].items())
                     err.print(
                         f"{name}: ms per step: {phases} (total {row['step_ms']:.1f}; "
-                        "a sync after each phase while profiled, one a step otherwise)"
+                        "a sync after each phase while profiled, one a step otherwise)",
+                        soft_wrap=True,  # one line per run, for logs and greps
                     )
         if png is not None:
-            heat_map(summary, configs, png, title)
+            heat_map(summary, configs, png, title, lookups[0])
             err.print(f"wrote {png}")
         if out is not None:
             write_json(
@@ -279,6 +337,7 @@ def bench(
                     "drafter": str(drafter_dir),
                     "prompts": prompts,
                     "max_tokens": max_tokens,
+                    "lookup": lookups,
                     "sampling": sampling,
                     "summary": summary,
                     "runs": runs,
@@ -296,6 +355,7 @@ def tune(
     prune: Annotated[
         bool, typer.Option("--prune/--no-prune", help="Also try each shape pruned.")
     ] = True,
+    lookup: LookupOpt = 3,
     verbose: VerboseOpt = False,
 ) -> None:
     """Find the fastest beam shape (W, L), pruned or not, for this model on this machine and
@@ -322,19 +382,20 @@ def tune(
             False,
             err.print,
             prune=prune,
+            lookups=(lookup,),
         )
         candidates = [
             (W, L, pruned) for W, L in configs for pruned in ((False, True) if prune else (False,))
         ]
 
         def name(W: int, L: int, pruned: bool) -> str:
-            return f"ReDrafter W={W} L={L}" + (" pruned" if pruned else "")
+            return run_name(W, L, pruned, lookup)
 
         best = max(candidates, key=lambda c: summary[name(*c)]["speedup"])
         row = summary[name(*best)]
         table_console().print(render(summary, machine_info(), f"tune {model_dir.name}", True))
         beam = {"width": best[0], "length": best[1], "speedup": row["speedup"]}
-        beam |= {"prune": best[2]} | settings.tuned_for(drafter_dir)
+        beam |= {"prune": best[2], "lookup": lookup} | settings.tuned_for(drafter_dir)
         if best[2]:
             beam |= {"step_cost": row["step_cost"], "alpha": row["alpha"]}
         settings.put(model_dir, "beam", beam)

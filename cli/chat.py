@@ -10,6 +10,7 @@ from rich.console import Console
 from .common import (
     DrafterOpt,
     LengthOpt,
+    LookupOpt,
     MaxTokensOpt,
     MinPOpt,
     ModelOpt,
@@ -35,7 +36,17 @@ class Session:
     """The conversation, and the KV cache of what the model has already read."""
 
     def __init__(
-        self, llm, tokenizer, drafter, W, L, sampling, max_tokens, system=None, budget=None
+        self,
+        llm,
+        tokenizer,
+        drafter,
+        W,
+        L,
+        sampling,
+        max_tokens,
+        system=None,
+        budget=None,
+        lookup=0,
     ):
         from redrafter_mlx.beam_search import make_proposer
         from redrafter_mlx.llm import TreeLLM
@@ -49,6 +60,7 @@ class Session:
         )
         # One budget for the session: its calibration carries over from reply to reply.
         self.budget = budget if drafter is not None else None
+        self.lookup = lookup
         self.sampling, self.max_tokens = sampling, max_tokens
         self.system = system
         self.context = int(getattr(llm.args, "max_position_embeddings", 0) or 0)
@@ -95,6 +107,8 @@ class Session:
                 stop_tokens=stop,
                 cache=self.cache,
                 budget=self.budget,
+                lookup=self.lookup,
+                history=ids[: len(ids) - len(new)],  # the earlier turns, for prompt lookup
             )
         detok = self.tokenizer.detokenizer
         detok.reset()
@@ -148,6 +162,7 @@ def chat(
     beam_width: WidthOpt = None,
     beam_length: LengthOpt = None,
     prune: PruneOpt = None,
+    lookup: LookupOpt = 3,
     no_draft: NoDraftOpt = False,
     system: Annotated[str | None, typer.Option("--system", help="A system prompt.")] = None,
     verbose: VerboseOpt = False,
@@ -172,7 +187,7 @@ def chat(
         sampling = SamplingParams(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
         budget = tree_budget(model_dir, drafter_dir, llm, draft_model, W, L, prune)
         session = Session(
-            llm, tokenizer, draft_model, W, L, sampling, max_tokens, system, budget=budget
+            llm, tokenizer, draft_model, W, L, sampling, max_tokens, system, budget, lookup
         )
         ar_rate = settings.get(model_dir, "ar_tokens_per_s")
         if ar_rate is None and not no_draft:
@@ -181,6 +196,8 @@ def chat(
     mode = "plain decoding" if no_draft else f"ReDrafter W={W} L={L}"
     if budget is not None:
         mode += " pruned"
+    if lookup and not no_draft:
+        mode += f" · lookup {lookup}"
     console.print(f"[bold]{model_dir.name}[/bold] · {mode} · type /help for commands")
     while True:
         try:

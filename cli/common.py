@@ -43,6 +43,14 @@ PruneOpt = Annotated[
         show_default=False,
     ),
 ]
+LookupOpt = Annotated[
+    int,
+    typer.Option(
+        "--lookup",
+        help="Prompt lookup: when the last N tokens occurred earlier in the conversation, verify "
+        "what followed them in place of the drafter's last beam (0: off).",
+    ),
+]
 NoDraftOpt = Annotated[bool, typer.Option("--no-draft", help="Plain mlx-lm decoding instead.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", help="Show tracebacks on errors.")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace DST if it exists.")]

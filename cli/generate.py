@@ -10,6 +10,7 @@ import typer
 from .common import (
     DrafterOpt,
     LengthOpt,
+    LookupOpt,
     MaxTokensOpt,
     MinPOpt,
     ModelOpt,
@@ -47,6 +48,7 @@ def generate(
     beam_width: WidthOpt = None,
     beam_length: LengthOpt = None,
     prune: PruneOpt = None,
+    lookup: LookupOpt = 3,
     no_draft: NoDraftOpt = False,
     ignore_chat_template: Annotated[
         bool, typer.Option("--ignore-chat-template", help="Feed the prompt as raw text.")
@@ -82,7 +84,14 @@ def generate(
         else:
             budget = tree_budget(model_dir, drafter_dir, llm, draft_model, W, L, prune)
             stream = stream_generate(
-                llm, draft_model, ids, beam_width=W, beam_length=L, budget=budget, **kw
+                llm,
+                draft_model,
+                ids,
+                beam_width=W,
+                beam_length=L,
+                budget=budget,
+                lookup=lookup,
+                **kw,
             )
         detok = tokenizer.detokenizer
         detok.reset()
@@ -107,6 +116,7 @@ def generate(
             beam_width=W,
             beam_length=L,
             prune=budget is not None,
+            lookup=0 if no_draft else lookup,
             no_draft=no_draft,
             max_tokens=max_tokens,
         )

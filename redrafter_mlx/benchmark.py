@@ -129,6 +129,7 @@ class RunResult:
     step_ms: float = 0.0  # mean wall time of a verification step
     tree_tokens: float = 0.0  # mean tokens verified per step
     phase_ms: dict[str, float] = field(default_factory=dict)  # means, profile=True only
+    lookup_steps: int = 0  # steps that verified a prompt-lookup draft
 
 
 def consume(name: str, index: int, stream: Iterator[StepOutput]) -> RunResult:
@@ -155,6 +156,7 @@ def consume(name: str, index: int, stream: Iterator[StepOutput]) -> RunResult:
         step_ms=1000 * statistics.mean(s.time for s in steps) if steps else 0.0,
         tree_tokens=statistics.mean(s.tree_size for s in steps) if steps else 0.0,
         phase_ms=phase_ms,
+        lookup_steps=summary.lookup_steps,
     )
 
 
@@ -210,6 +212,7 @@ def summarize(results: list[RunResult], baseline: str) -> dict[str, dict]:
             "identical_to_baseline": sum(same),
             "mismatched_prompts": mismatched,
             "acceptance_by_depth": accepted,  # share of steps accepting >= d + 1 drafts
+            "lookup_share": sum(r.lookup_steps for r in rs) / max(steps, 1),  # of the steps
             "step_ms": statistics.median(r.step_ms for r in rs),
             "tree_tokens": statistics.median(r.tree_tokens for r in rs),
             "phase_ms": {

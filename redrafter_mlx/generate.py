@@ -34,6 +34,7 @@ from .drafter import Drafter
 from .kv_cache import TreeKVCache
 from .llm import TreeLLM
 from .loading import check_compatible
+from .prompt_lookup import PromptLookup
 from .tree_attention import pack_beams
 from .tree_budget import TreeBudget, measure_step_cost
 from .verification import (
@@ -55,6 +56,7 @@ class StepStats:
     tree_size: int  # packed tokens verified
     time: float  # seconds, wall clock
     phases: dict[str, float] | None = None  # seconds per phase, measured only with profile=True
+    looked_up: bool = False  # a prompt-lookup draft took the place of a drafter beam
 
 
 @dataclass
@@ -67,6 +69,7 @@ class GenerationSummary:
     peak_memory_gb: float = 0.0
     finish_reason: str | None = None  # "stop" or "length" once finished
     accepted_by_depth: list[int] = field(default_factory=list)  # steps accepting >= d drafts
+    lookup_steps: int = 0  # steps that verified a prompt-lookup draft
 
     @property
     def prompt_tps(self) -> float:
@@ -157,6 +160,8 @@ def stream_redrafter(
     profile: bool = False,
     prefill_step_size: int = 2048,
     budget: TreeBudget | None = None,
+    lookup: int = 0,
+    history: Sequence[int] = (),
 ) -> Iterator[StepOutput]:
     """Generate with ReDrafter, yielding the tokens of each step as soon as they are accepted.
 
@@ -175,7 +180,16 @@ def stream_redrafter(
     :func:`~redrafter_mlx.tree_budget.measure_step_cost` measures) prunes each tree to the
     nodes worth their verification cost; it needs a proposer that scores its beams
     (``make_proposer(..., with_scores=True)``). Without it every drafted node is verified.
+
+    ``lookup`` (an n-gram size; 0: off) verifies, whenever the context's last ``lookup``
+    tokens occurred earlier in it, the tokens that followed them in place of the drafter's
+    lowest-ranked beam (:mod:`redrafter_mlx.prompt_lookup`). With a budget those nodes are
+    always verified (their prefix score is taken as 0, which also leaves the calibration
+    unchanged). ``history`` is the text before ``prompt`` that ``cache`` already holds (a chat's
+    earlier turns): lookup searches it too.
     """
+    if lookup < 0:
+        raise ValueError(f"lookup is an n-gram size (0: off), got {lookup}")
     steps = _redrafter_steps(
         llm,
         propose,
@@ -187,6 +201,8 @@ def stream_redrafter(
         profile,
         prefill_step_size,
         budget,
+        lookup,
+        [int(t) for t in history],
     )
     return on_stream(steps, generation_stream)
 
@@ -202,6 +218,8 @@ def _redrafter_steps(
     profile: bool,
     prefill_step_size: int,
     budget: TreeBudget | None,
+    lookup: int,
+    history: list[int],
 ) -> Iterator[StepOutput]:
     sampling = sampling or SamplingParams()
     prompt_ids = _as_prompt(prompt)
@@ -221,12 +239,22 @@ def _redrafter_steps(
     yield StepOutput(first, StepStats(len(first), 0, 0, summary.prompt_time), summary)
     if summary.finish_reason:
         return
+    context = None
+    if lookup:
+        context = PromptLookup(history + prompt_ids + first, beams.shape[1] - 1, lookup)
 
     past = cache[0].length  # absolute position of the root g0
     gen_start = time.perf_counter()
     while True:
         clock = _PhaseClock(profile)
         drafted = np.array(beams)
+        copied = context.propose() if context is not None else None
+        if copied is not None:  # in place of the lowest-ranked beam
+            drafted[-1, 1:] = copied
+            if scores is not None:
+                scores = np.array(scores)
+                scores[-1] = 0.0
+            beams = mx.array(drafted)
         tree = pack_beams(drafted)
         if budget is not None:  # verify only the nodes worth it; the rest become NO_TOKEN
             tree, drafted = budget.prune(tree, drafted, np.array(scores))
@@ -256,7 +284,10 @@ def _redrafter_steps(
         count, beam = int(acc.count.item()), int(acc.beam.item())
         if budget is not None:
             budget.observe(acc.path.tolist()[:count])
-        tokens = emitter.cut(acc.tokens.tolist()[:count])
+        accepted = acc.tokens.tolist()[:count]
+        if context is not None:
+            context.extend(accepted)
+        tokens = emitter.cut(accepted)
         # Keep the root and the emitted tokens but the newest (fewer than count if cut short).
         for c in cache:
             c.commit(None if beam == 0 else acc.path, tree.size, len(tokens))
@@ -264,6 +295,7 @@ def _redrafter_steps(
         clock.lap("commit", *(x for c in cache for x in (c.keys, c.values)))
 
         summary.steps += 1
+        summary.lookup_steps += copied is not None
         summary.generation_time = time.perf_counter() - gen_start
         summary.peak_memory_gb = mx.get_peak_memory() / 1e9
         depth_hist = summary.accepted_by_depth
@@ -276,6 +308,7 @@ def _redrafter_steps(
             tree_size=tree.size,
             time=clock.total(),
             phases=clock.phases if profile else None,
+            looked_up=copied is not None,
         )
         yield StepOutput(tokens, stats, summary)
         if summary.finish_reason:

@@ -89,6 +89,9 @@ def test_converted_apple_drafter_and_gguf_llm_run_together(tiny_llm_dir, tmp_pat
     a, b = json.loads(plain.output), json.loads(spec.output)
     assert b["token_ids"] == a["token_ids"] and b["num_tokens"] == len(a["token_ids"]) > 0
     assert b["settings"]["beam_width"] == 3 and b["steps"] >= 1
+    assert b["settings"]["lookup"] == 3 and a["settings"]["lookup"] == 0
+    off = json.loads(invoke("generate", *common, "--drafter", drafter, "--lookup", "0").output)
+    assert off["token_ids"] == a["token_ids"] and off["settings"]["lookup"] == 0
     pruned = invoke("generate", *common, "--drafter", drafter, "--beam-width", "3", "--prune")
     assert pruned.exit_code == 0, pruned.output
     c = json.loads(pruned.output)
@@ -351,9 +354,10 @@ def test_bench_grid_table_json_and_heat_map(tiny_llm_dir, random_drafter_dir, tm
     assert r.exit_code == 0, r.output
     assert "speedup" in r.output and "ReDrafter W=2 L=3" in r.output and "AR (mlx-lm)" in r.output
     result = json.loads(out.read_text())
-    assert set(result["summary"]) == {"AR (mlx-lm)"} | {
-        f"ReDrafter W={w} L={n}" for w in (1, 2) for n in (2, 3)
+    assert set(result["summary"]) == {"AR (mlx-lm)"} | {  # with chat's default prompt lookup
+        f"ReDrafter W={w} L={n} lookup 3" for w in (1, 2) for n in (2, 3)
     }
+    assert result["lookup"] == [3]
     for row in result["summary"].values():  # greedy: identical to AR on both prompts
         assert row["identical_to_baseline"] == 2 and row["mismatched_prompts"] == []
     assert result["machine"]["mlx"] and png.read_bytes()[:4] == b"\x89PNG"
@@ -363,11 +367,20 @@ def test_bench_prune_adds_a_pruned_run_of_each_config(tiny_llm_dir, random_draft
     prompt, out = tmp_path / "p.txt", tmp_path / "bench.json"
     prompt.write_text("the cat sat")
     args = ["--model", tiny_llm_dir, "--drafter", random_drafter_dir, "--prompts", prompt]
-    r = invoke("bench", *args, "-m", "10", "--grid", "2x3", "--prune", "--out", out)
+    r = invoke(
+        "bench", *args, "-m", "10", "--grid", "2x3", "--prune", "--lookup", "0,2", "--out", out
+    )
     assert r.exit_code == 0, r.output
     assert "step cost for 1..5 tokens" in r.output and "pruned" in r.output
     summary = json.loads(out.read_text())["summary"]
-    assert set(summary) == {"AR (mlx-lm)", "ReDrafter W=2 L=3", "ReDrafter W=2 L=3 pruned"}
+    assert set(summary) == {"AR (mlx-lm)"} | {
+        f"ReDrafter W=2 L=3{p}{n}" for p in ("", " pruned") for n in ("", " lookup 2")
+    }
+    for row in summary.values():
+        assert row["identical_to_baseline"] == 1
+    for bad in ("3,x", "3,3", "-1"):
+        r = invoke("bench", *args, "--lookup", bad)
+        assert r.exit_code == 1 and "--lookup" in r.output, r.output
     assert summary["ReDrafter W=2 L=3 pruned"]["identical_to_baseline"] == 1
     assert 1 <= summary["ReDrafter W=2 L=3 pruned"]["tree_tokens"] <= 5
 
@@ -395,7 +408,7 @@ def test_bench_text_file_sampling_and_profile(tiny_llm_dir, random_drafter_dir, 
     )
     assert r.exit_code == 0, r.output
     assert "temp 0.7" in r.output
-    phases = r"tree [\d.]+, verify [\d.]+, accept [\d.]+, draft [\d.]+,\s+commit [\d.]+"
+    phases = r"tree [\d.]+,\s+verify [\d.]+,\s+accept [\d.]+,\s+draft [\d.]+,\s+commit [\d.]+"
     assert re.search(phases, r.output), r.output
 
 
@@ -455,10 +468,15 @@ def test_chat_turns_commands_and_stats(tiny_llm_dir, random_drafter_dir, tmp_pat
     assert "2 replies" in r.output
 
 
-def test_chat_reuses_the_cache_and_matches_plain_decoding(tiny_llm_dir, random_drafter_dir):
-    """Turn 2 feeds only the new tokens, and every reply equals plain decoding's."""
+def test_chat_reuses_the_cache_and_matches_plain_decoding(
+    tiny_llm_dir, random_drafter_dir, monkeypatch
+):
+    """Turn 2 feeds only the new tokens, and every reply equals plain decoding's; prompt
+    lookup searches the whole conversation, not only the new tokens."""
+    import redrafter_mlx.generate
     from redrafter_mlx.drafter import Drafter
     from redrafter_mlx.loading import load
+    from redrafter_mlx.prompt_lookup import PromptLookup
     from redrafter_mlx.tree_budget import TreeBudget
     from redrafter_mlx.verification import SamplingParams
 
@@ -470,13 +488,28 @@ def test_chat_reuses_the_cache_and_matches_plain_decoding(tiny_llm_dir, random_d
     budget = TreeBudget([1.0, 1.1, 1.2, 2.0, 2.1])
     pruned = Session(model, tokenizer, drafter, 2, 3, SamplingParams(), 8, budget=budget)
     plain = Session(model, tokenizer, None, 2, 3, SamplingParams(), 8)
+    lookup = Session(model, tokenizer, drafter, 1, 3, SamplingParams(), 8, lookup=1)
     assert pruned.budget is not None and spec.budget is None
+    contexts = []
+
+    class Recording(PromptLookup):
+        def __init__(self, tokens, *args):
+            contexts.append(list(tokens))
+            super().__init__(tokens, *args)
+
+    monkeypatch.setattr(redrafter_mlx.generate, "PromptLookup", Recording)
     for turn in ("the cat", "def f(x):", "sat"):
         a = "".join(spec.reply(turn))
         b = "".join(plain.reply(turn))
         assert a == b == "".join(pruned.reply(turn))
+        assert "".join(lookup.reply(turn)) == a
+        asked = lookup.messages[:-1]  # the reply's prompt: without the reply itself
+        ids = tokenizer.apply_chat_template(asked, add_generation_prompt=True)
+        assert contexts[-1][: len(ids)] == ids and len(contexts[-1]) == len(ids) + 1
         if turn != "the cat":
             assert spec.last.prompt_tokens < len(spec.prompt_ids())  # only the new part fed
+            assert lookup.last.prompt_tokens < len(ids)
+    assert lookup.last.lookup_steps > 0
     assert spec.messages == plain.messages
 
 

@@ -115,30 +115,39 @@ def test_processed_probs_match_mlx_lm_filters():
 
 
 @pytest.mark.parametrize(
-    "name,pruned", [(name, False) for name in CONFIGS] + [("T=0.7,top_p=0.8", True)]
+    "name,variant",
+    [(name, "") for name in CONFIGS]
+    + [("T=0.7,top_p=0.8", "pruned"), ("T=1.0", "lookup"), ("T=0.7,top_p=0.8", "lookup+pruned")],
 )
-def test_redrafter_sampling_matches_exact_law(setup, name, pruned):
-    """Also with the tree pruned to a budget (``pruned``): which nodes get verified depends on
-    the drafter only, so the emitted tokens keep the LLM's law."""
+def test_redrafter_sampling_matches_exact_law(setup, name, variant):
+    """Also with the tree pruned to a budget: which nodes get verified depends on the drafter
+    only, so the emitted tokens keep the LLM's law. And with prompt lookup (1-grams, which hit
+    often here): its drafts depend on the tokens emitted before, never on this step's draws."""
     model, llm, propose = setup
     kw = {}
-    if pruned:
+    if "pruned" in variant:
         propose = make_proposer(tiny_drafter(32, V, seed=4), llm.embed, 3, 3, with_scores=True)
-        kw = dict(budget=TreeBudget([1.0, 1.05, 1.1, 1.15]))  # at most 4 of 7 nodes
+        kw["budget"] = TreeBudget([1.0, 1.05, 1.1, 1.15])  # at most 4 of 7 nodes
+    if "lookup" in variant:
+        kw["lookup"] = 1
     params = CONFIGS[name]
     law = exact_law(model, params)
     counts: Counter = Counter()
-    accepted = 0
+    accepted = looked_up = accepted_lookup = 0
     for seed in SEEDS:
         mx.random.seed(seed)
         outs = list(
             stream_redrafter(llm, propose, PROMPT, max_tokens=N_TOKENS, sampling=params, **kw)
         )
-        if pruned:
+        if "pruned" in variant:
             assert all(o.stats.tree_size <= 4 for o in outs)
         counts[tuple(t for o in outs for t in o.tokens)] += 1
         accepted += sum(o.stats.accepted for o in outs)
+        looked_up += sum(o.stats.looked_up for o in outs)
+        accepted_lookup += sum(o.stats.accepted for o in outs if o.stats.looked_up)
     assert accepted > RUNS // 4, "drafts were rarely accepted: the test would not exercise them"
+    if "lookup" in variant:
+        assert looked_up > RUNS // 4 and accepted_lookup > RUNS // 10, (looked_up, accepted_lookup)
     p = chi_square_p(counts, law, RUNS)
     assert p > 1e-3, f"ReDrafter samples do not follow the LLM's law (p={p:.2e})"
 
