@@ -1,18 +1,19 @@
 """Would a prompt-lookup beam beside the drafter's add tokens/step? A greedy replay.
 
-Prompt lookup proposes, at each step, the tokens that followed the latest earlier occurrence
-of the context's last n tokens (n from 3 down to --min-ngram) in prompt + output so far. For
-HumanEval's greedy continuations (cached by ``bench/drafter_card.py``), this replays W=1 beams
-of the drafter (exact for greedy, see redrafter_mlx/acceptance.py) against three policies:
+Prompt lookup (redrafter_mlx/prompt_lookup.py) proposes, at each step, the tokens that followed
+the latest earlier occurrence of the context's last n tokens (n from --ngram down to
+--min-ngram) in prompt + output so far. For HumanEval's greedy continuations (cached by
+``bench/drafter_card.py``), this replays W=1 beams of the drafter (exact for greedy, see
+redrafter_mlx/acceptance.py) against three policies:
 
-- ``drafter``: the drafter's beam alone (the engine today);
+- ``drafter``: the drafter's beam alone (``--lookup 0``);
+- ``replace``: the lookup beam instead of the drafter's when a match exists (the engine's
+  ``--lookup N``; the tree keeps its size);
 - ``union``: both beams in one tree (verified nodes grow where they differ);
-- ``replace``: the lookup beam instead of the drafter's when a 3-token match exists (the tree
-  keeps its size).
 
 and prints tokens/step and verified nodes/step. Writes JSON.
 
-    python bench/lookup_replay.py --problems 0-99 --lengths 3,4
+    python bench/lookup_replay.py --problems 0-99 --lengths 3 --min-ngram 1,2,3
 """
 
 from __future__ import annotations
@@ -26,23 +27,12 @@ from redrafter_mlx.beam_search import beam_search
 from redrafter_mlx.benchmark import humaneval_prompts, machine_info, write_json
 from redrafter_mlx.llm import TreeLLM
 from redrafter_mlx.loading import load
+from redrafter_mlx.prompt_lookup import PromptLookup
 from redrafter_mlx.verification import SamplingParams
 
 import mlx.core as mx
 import numpy as np
 from drafter_card import answers, cache_file
-
-
-def lookup(context: list[int], k: int, min_ngram: int, max_ngram: int = 3) -> tuple[list, int]:
-    """Up to ``k`` tokens after the latest earlier match of the context's last n tokens."""
-    for n in range(max_ngram, min_ngram - 1, -1):
-        if len(context) <= n:
-            continue
-        tail = context[-n:]
-        for s in range(len(context) - n - 1, -1, -1):
-            if context[s : s + n] == tail:
-                return context[s + n : s + n + k], n
-    return [], 0
 
 
 def matched(proposal, future) -> int:
@@ -61,7 +51,8 @@ def main() -> None:
     ap.add_argument("--problems", default="0-99")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--lengths", default="3,4")
-    ap.add_argument("--min-ngram", default="1,2")
+    ap.add_argument("--ngram", type=int, default=3, help="the longest n-gram matched")
+    ap.add_argument("--min-ngram", default="1,2,3", help="shortest n-grams to try, each")
     ap.add_argument("--batch", type=int, default=20)
     ap.add_argument("--out", default="bench/results/lookup_replay.json")
     args = ap.parse_args()
@@ -87,11 +78,11 @@ def main() -> None:
         for min_ngram in (int(x) for x in args.min_ngram.split(",")):
             tally = {p: [0, 0, 0] for p in ("drafter", "union", "replace")}  # steps, tok, nodes
             for prompt, c, h in zip(prompts, conts, hidden, strict=True):
-                pos = {p: 0 for p in tally}
                 drafts: dict[int, list[int]] = {}  # by root position: policies share them
                 for policy, t in tally.items():
-                    while pos[policy] < len(c) - 1:
-                        p = pos[policy]
+                    p = 0
+                    context = PromptLookup(prompt + c[:1], length - 1, args.ngram, min_ngram)
+                    while p < len(c) - 1:
                         if p not in drafts:
                             state = mx.array(h[p][None].astype(np.float32))
                             root = mx.array([c[p]])
@@ -99,20 +90,19 @@ def main() -> None:
                             drafts[p] = np.array(beams)[0, 0, 1:].tolist()
                         draft = drafts[p]
                         future = c[p + 1 : p + length]
-                        found, n = lookup(prompt + c[: p + 1], length - 1, min_ngram)
+                        found = context.propose() if policy != "drafter" else None
                         a, nodes = matched(draft, future), length
                         if policy == "union" and found:
-                            shared = matched(found, draft)
                             a = max(a, matched(found, future))
-                            nodes += len(found) - shared
-                        elif policy == "replace" and n >= 3:
+                            nodes += len(found) - matched(found, draft)
+                        elif policy == "replace" and found:
                             a = matched(found, future)
-                            nodes = 1 + len(found)
                         a = min(a, len(c) - 2 - p)
                         t[0] += 1
                         t[1] += a + 1
                         t[2] += nodes
-                        pos[policy] = p + a + 1
+                        context.extend(c[p + 1 : p + a + 2])
+                        p += a + 1
             for policy, (steps, toks, nodes) in tally.items():
                 row = {
                     "length": length,

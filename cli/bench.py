@@ -48,11 +48,11 @@ def parse_grid(grid: str) -> list[tuple[int, int]]:
 
 
 def parse_lookups(lookup: str) -> list[int]:
-    """``0,3`` -> [0, 3]: the prompt-lookup n-gram sizes to run each config with (0: off)."""
+    """``0,2`` -> [0, 2]: prompt lookup's shortest n-grams to run each config with (0: off)."""
     try:
         sizes = [int(n) for n in lookup.split(",")]
     except ValueError:
-        raise ValueError(f"--lookup {lookup!r}: expected n-gram sizes like 3 or 0,3") from None
+        raise ValueError(f"--lookup {lookup!r}: expected n-gram sizes like 2 or 0,2") from None
     if any(n < 0 for n in sizes) or len(set(sizes)) != len(sizes):
         raise ValueError(f"--lookup {lookup!r}: sizes must be distinct and >= 0 (0: off)")
     return sizes
@@ -259,10 +259,10 @@ def bench(
         str,
         typer.Option(
             "--lookup",
-            help="Prompt-lookup n-gram sizes to run each config with, e.g. 0,3 (0: off; "
-            "chat and generate use 3).",
+            help="Prompt lookup's shortest n-grams to run each config with, e.g. 0,2 (0: off; "
+            "chat and generate use 2).",
         ),
-    ] = "3",
+    ] = "2",
     verbose: VerboseOpt = False,
 ) -> None:
     """Measure ReDrafter against mlx-lm's autoregressive decoding on the same prompts."""
@@ -355,7 +355,7 @@ def tune(
     prune: Annotated[
         bool, typer.Option("--prune/--no-prune", help="Also try each shape pruned.")
     ] = True,
-    lookup: LookupOpt = 3,
+    lookup: LookupOpt = 2,
     verbose: VerboseOpt = False,
 ) -> None:
     """Find the fastest beam shape (W, L), pruned or not, for this model on this machine and

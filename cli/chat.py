@@ -162,7 +162,7 @@ def chat(
     beam_width: WidthOpt = None,
     beam_length: LengthOpt = None,
     prune: PruneOpt = None,
-    lookup: LookupOpt = 3,
+    lookup: LookupOpt = 2,
     no_draft: NoDraftOpt = False,
     system: Annotated[str | None, typer.Option("--system", help="A system prompt.")] = None,
     verbose: VerboseOpt = False,

@@ -47,8 +47,8 @@ LookupOpt = Annotated[
     int,
     typer.Option(
         "--lookup",
-        help="Prompt lookup: when the last N tokens occurred earlier in the conversation, verify "
-        "what followed them in place of the drafter's last beam (0: off).",
+        help="Prompt lookup: when the last N or more tokens (up to 6) occurred earlier in the "
+        "conversation, verify what followed them in place of the drafter's last beam (0: off).",
     ),
 ]
 NoDraftOpt = Annotated[bool, typer.Option("--no-draft", help="Plain mlx-lm decoding instead.")]

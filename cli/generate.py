@@ -48,7 +48,7 @@ def generate(
     beam_width: WidthOpt = None,
     beam_length: LengthOpt = None,
     prune: PruneOpt = None,
-    lookup: LookupOpt = 3,
+    lookup: LookupOpt = 2,
     no_draft: NoDraftOpt = False,
     ignore_chat_template: Annotated[
         bool, typer.Option("--ignore-chat-template", help="Feed the prompt as raw text.")

@@ -34,7 +34,7 @@ from .drafter import Drafter
 from .kv_cache import TreeKVCache
 from .llm import TreeLLM
 from .loading import check_compatible
-from .prompt_lookup import PromptLookup
+from .prompt_lookup import LONGEST_NGRAM, PromptLookup
 from .tree_attention import pack_beams
 from .tree_budget import TreeBudget, measure_step_cost
 from .verification import (
@@ -181,15 +181,16 @@ def stream_redrafter(
     nodes worth their verification cost; it needs a proposer that scores its beams
     (``make_proposer(..., with_scores=True)``). Without it every drafted node is verified.
 
-    ``lookup`` (an n-gram size; 0: off) verifies, whenever the context's last ``lookup``
-    tokens occurred earlier in it, the tokens that followed them in place of the drafter's
-    lowest-ranked beam (:mod:`redrafter_mlx.prompt_lookup`). With a budget those nodes are
+    ``lookup`` (the shortest n-gram to match; 0: off) verifies, whenever the context's last
+    ``lookup`` or more tokens occurred earlier in it, the tokens that followed them in place of
+    the drafter's lowest-ranked beam (:mod:`redrafter_mlx.prompt_lookup`; the longest match of
+    up to ``max(LONGEST_NGRAM, lookup)`` tokens wins). With a budget those nodes are
     always verified (their prefix score is taken as 0, which also leaves the calibration
     unchanged). ``history`` is the text before ``prompt`` that ``cache`` already holds (a chat's
     earlier turns): lookup searches it too.
     """
     if lookup < 0:
-        raise ValueError(f"lookup is an n-gram size (0: off), got {lookup}")
+        raise ValueError(f"lookup is the shortest n-gram to match (0: off), got {lookup}")
     steps = _redrafter_steps(
         llm,
         propose,
@@ -241,7 +242,8 @@ def _redrafter_steps(
         return
     context = None
     if lookup:
-        context = PromptLookup(history + prompt_ids + first, beams.shape[1] - 1, lookup)
+        longest = max(LONGEST_NGRAM, lookup)
+        context = PromptLookup(history + prompt_ids + first, beams.shape[1] - 1, longest, lookup)
 
     past = cache[0].length  # absolute position of the root g0
     gen_start = time.perf_counter()

@@ -7,6 +7,8 @@ import json
 import re
 from pathlib import Path
 
+from redrafter_mlx.prompt_lookup import DEFAULT_MIN_NGRAM
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -89,7 +91,7 @@ def test_converted_apple_drafter_and_gguf_llm_run_together(tiny_llm_dir, tmp_pat
     a, b = json.loads(plain.output), json.loads(spec.output)
     assert b["token_ids"] == a["token_ids"] and b["num_tokens"] == len(a["token_ids"]) > 0
     assert b["settings"]["beam_width"] == 3 and b["steps"] >= 1
-    assert b["settings"]["lookup"] == 3 and a["settings"]["lookup"] == 0
+    assert b["settings"]["lookup"] == DEFAULT_MIN_NGRAM and a["settings"]["lookup"] == 0
     off = json.loads(invoke("generate", *common, "--drafter", drafter, "--lookup", "0").output)
     assert off["token_ids"] == a["token_ids"] and off["settings"]["lookup"] == 0
     pruned = invoke("generate", *common, "--drafter", drafter, "--beam-width", "3", "--prune")
@@ -355,9 +357,9 @@ def test_bench_grid_table_json_and_heat_map(tiny_llm_dir, random_drafter_dir, tm
     assert "speedup" in r.output and "ReDrafter W=2 L=3" in r.output and "AR (mlx-lm)" in r.output
     result = json.loads(out.read_text())
     assert set(result["summary"]) == {"AR (mlx-lm)"} | {  # with chat's default prompt lookup
-        f"ReDrafter W={w} L={n} lookup 3" for w in (1, 2) for n in (2, 3)
+        f"ReDrafter W={w} L={n} lookup 2" for w in (1, 2) for n in (2, 3)
     }
-    assert result["lookup"] == [3]
+    assert result["lookup"] == [2]
     for row in result["summary"].values():  # greedy: identical to AR on both prompts
         assert row["identical_to_baseline"] == 2 and row["mismatched_prompts"] == []
     assert result["machine"]["mlx"] and png.read_bytes()[:4] == b"\x89PNG"
