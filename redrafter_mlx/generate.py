@@ -34,7 +34,7 @@ from .drafter import Drafter
 from .kv_cache import TreeKVCache
 from .llm import TreeLLM
 from .loading import check_compatible
-from .prompt_lookup import LONGEST_NGRAM, PromptLookup
+from .prompt_lookup import DEFAULT_MIN_NGRAM, LONGEST_NGRAM, PromptLookup
 from .tree_attention import pack_beams
 from .tree_budget import TreeBudget, measure_step_cost
 from .verification import (
@@ -429,9 +429,11 @@ def stream_generate(
     beam_length: int = 5,
     draft_top_k: int | None = None,
     budget: TreeBudget | None = None,
+    lookup: int = DEFAULT_MIN_NGRAM,
     **kwargs,
 ) -> Iterator[StepOutput]:
-    """ReDrafter generation from an mlx-lm model and a drafter (see :func:`stream_redrafter`).
+    """ReDrafter generation from an mlx-lm model and a drafter (see :func:`stream_redrafter`),
+    with prompt lookup on by default (``lookup=0`` turns it off).
 
     A ``budget`` may be shared by many calls (a chat session): its calibration carries over.
     """
@@ -445,4 +447,4 @@ def stream_generate(
         top_k=draft_top_k,
         with_scores=budget is not None,
     )
-    return stream_redrafter(llm, propose, prompt, budget=budget, **kwargs)
+    return stream_redrafter(llm, propose, prompt, budget=budget, lookup=lookup, **kwargs)
