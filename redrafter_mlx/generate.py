@@ -3,6 +3,7 @@
 One ReDrafter step, with the device arrays kept lazy throughout::
 
     beams  = propose(h, g0)                     # drafter beam search   [W, L]
+    beams[-1] = lookup(context)                 # host: copied, where the context repeats
     tree   = pack_beams(beams)                  # host, NumPy            n tokens
     hidden = llm(tree, mask, positions)         # one LLM forward       [n, H]
     acc    = accept(beams, targets(hidden))     # longest accepted path
@@ -12,7 +13,7 @@ One ReDrafter step, with the device arrays kept lazy throughout::
 
 The next draft is built before the sync, so each step costs one round trip to the device;
 ``profile=True`` adds a sync after each phase to time them (and so runs slower): ``tree``
-(beams to the host, packing, pruning), ``verify`` (the LLM forward and its targets),
+(beams to the host, prompt lookup, packing, pruning), ``verify`` (the LLM forward and its targets),
 ``accept``, ``draft`` (the next beam search) and ``commit`` (reading the result on the host,
 keeping the accepted path in the KV cache).
 """
