@@ -101,22 +101,26 @@ def run_bench(
 
         return run
 
+    def redrafter(W: int, L: int, lookup: int, budget: TreeBudget | None = None):
+        return seeded(
+            lambda ids: stream_generate(
+                model,
+                drafter,
+                ids,
+                beam_width=W,
+                beam_length=L,
+                profile=profile,
+                budget=budget,
+                lookup=lookup,
+                **kw,
+            )
+        )
+
     runners = {"AR (mlx-lm)": seeded(lambda ids: stream_autoregressive(model, ids, **kw))}
     budgets = {}
     for W, L in configs:
         for n in lookups:
-            runners[run_name(W, L, False, n)] = seeded(
-                lambda ids, W=W, L=L, n=n: stream_generate(
-                    model,
-                    drafter,
-                    ids,
-                    beam_width=W,
-                    beam_length=L,
-                    profile=profile,
-                    lookup=n,
-                    **kw,
-                )
-            )
+            runners[run_name(W, L, False, n)] = redrafter(W, L, n)
         if not prune:
             continue
         cost = step_cost(model, drafter, W, L)
@@ -124,19 +128,7 @@ def run_bench(
         log(f"[dim]W={W} L={L}: step cost for 1..{len(cost)} tokens, x one: {ratios}[/dim]")
         for n in lookups:
             budget = budgets[run_name(W, L, True, n)] = TreeBudget(cost)  # calibrated as in chat
-            runners[run_name(W, L, True, n)] = seeded(
-                lambda ids, W=W, L=L, n=n, budget=budget: stream_generate(
-                    model,
-                    drafter,
-                    ids,
-                    beam_width=W,
-                    beam_length=L,
-                    profile=profile,
-                    budget=budget,
-                    lookup=n,
-                    **kw,
-                )
-            )
+            runners[run_name(W, L, True, n)] = redrafter(W, L, n, budget)
 
     def on_result(r) -> None:
         log(

@@ -47,18 +47,19 @@ class PromptLookup:
         self.length, self.sizes = length, range(ngram, min_ngram - 1, -1)
         self.tokens: list[int] = []
         self._latest: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
-        self._indexed = {n: 0 for n in self.sizes}  # starts indexed so far, per size
         self.extend(tokens)
 
     def extend(self, tokens: Iterable[int]) -> None:
         """Append tokens to the context."""
+        before = len(self.tokens)
         self.tokens.extend(int(t) for t in tokens)
+        ts = self.tokens
         for n in self.sizes:
-            last = len(self.tokens) - n - self.length  # latest start with `length` after it
-            latest, ts = self._latest[n], self.tokens
-            for s in range(self._indexed[n], last + 1):
+            # Starts with `length` known tokens after them: those below `before - n - length
+            # + 1` were indexed by earlier calls.
+            latest = self._latest[n]
+            for s in range(max(0, before - n - self.length + 1), len(ts) - n - self.length + 1):
                 latest[tuple(ts[s : s + n])] = s
-            self._indexed[n] = max(self._indexed[n], last + 1)
 
     def propose(self) -> list[int] | None:
         """``length`` tokens that followed the latest earlier occurrence of the context's last
