@@ -16,7 +16,9 @@ Which one (measured on a 2-core Xeon, Qwen2.5-0.5B float32, one forward of n new
 Neither streams the weights once for a few rows, which is what decoding and tree verification
 multiply, so the few-row kernel (``_skinny_gemm.c``, built with the package) is loaded first and
 takes the products with at most ``REDRAFTER_GEMM_ROWS`` (default 32; 0 turns it off) rows;
-everything else (long prompt chunks, training) goes to the BLAS. Measured on a 2-core AMD EPYC
+everything else (long prompt chunks, training, attention) goes to the BLAS, small products to
+MKL on one thread (its OpenMP workers spin between calls and took the kernel's cores: a 3-token
+forward took 123 ms against 101 ms). Measured on a 2-core AMD EPYC
 with MKL, one forward of Qwen2.5-0.5B over n tokens: n = 1 / 3 / 8 took 124 / 284 / 250 ms
 with MKL alone and 89 / 112 / 151 ms with the kernel in front of it; n = 32 460 and 377 ms;
 n = 64 765 and 751 ms (so the default stops at 32).
@@ -150,6 +152,7 @@ def _load_gemm() -> None:
         return
     _gemm_lib.redrafter_gemm_init.argtypes = [ctypes.c_int, ctypes.c_int]
     _gemm_lib.redrafter_gemm_handled.restype = ctypes.c_long
+    _gemm_lib.redrafter_gemm_serial.restype = ctypes.c_long
 
 
 def _env_int(name: str, default: int) -> int:
@@ -181,6 +184,14 @@ def handled_products() -> int:
     if _gemm_lib is None:
         return 0
     return int(_gemm_lib.redrafter_gemm_handled())
+
+
+def serial_products() -> int:
+    """Small products the kernel passed to MKL on one thread in this process (see
+    ``_skinny_gemm.c``: MKL's spinning OpenMP workers otherwise take cores from the kernel)."""
+    if _gemm_lib is None:
+        return 0
+    return int(_gemm_lib.redrafter_gemm_serial())
 
 
 def load_blas() -> str:

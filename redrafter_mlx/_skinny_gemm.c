@@ -56,11 +56,23 @@ static int enabled = 0;
 static int max_rows = 32; /* set by redrafter_gemm_init */
 static long parallel_work = 1L << 16; /* N * K from which the columns are split over threads */
 static atomic_long handled = 0;
+static atomic_long serial = 0; /* products passed to MKL on one thread */
 
 /* ---- the BLAS everything else goes to: the next cblas_sgemm in load order ---------------- */
 
 static sgemm_fn blas_sgemm = NULL;
 static pthread_once_t blas_once = PTHREAD_ONCE_INIT;
+
+/* MKL's thread-local thread count (absent from OpenBLAS). MKL parallelises even the tiny
+ * products of decoding's attention (a few rows by a head dimension of 64), and its OpenMP
+ * workers then spin between calls (for KMP_BLOCKTIME, 200 ms by default), so on a small machine
+ * they take cores from this kernel's pool: a 3-token forward of Qwen2.5-0.5B took 123 ms with
+ * MKL on 2 threads and 101 ms on 1 (2-core AMD EPYC, one process, alternating blocks). Products
+ * below SERIAL_WORK multiply-adds therefore run on one MKL thread; OpenBLAS already keeps small
+ * products on one thread. */
+typedef int (*set_threads_fn)(int);
+static set_threads_fn mkl_threads_local = NULL;
+enum { SERIAL_WORK = 1 << 22 };
 
 void cblas_sgemm(int, int, int, int, int, int, float, const float *, int, const float *, int,
                  float, float *, int);
@@ -94,6 +106,7 @@ static void resolve_blas(void) {
         }
         free(o.names[i]);
     }
+    mkl_threads_local = (set_threads_fn)dlsym(RTLD_DEFAULT, "MKL_Set_Num_Threads_Local");
 }
 
 /* ---- kernels: C[m, j0:j1] = alpha * (A @ op(B))[m, j0:j1] + beta * C ----------------------- */
@@ -324,6 +337,13 @@ void cblas_sgemm(int layout, int ta, int tb, int M, int N, int K, float alpha, c
         fputs("redrafter-mlx: no BLAS cblas_sgemm was loaded after the few-row kernel\n", stderr);
         abort();
     }
+    if (mkl_threads_local && (double)M * N * K < SERIAL_WORK) {
+        int previous = mkl_threads_local(1); /* this thread only; 0 restores the global count */
+        blas_sgemm(layout, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        mkl_threads_local(previous);
+        atomic_fetch_add_explicit(&serial, 1, memory_order_relaxed);
+        return;
+    }
     blas_sgemm(layout, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
@@ -350,7 +370,10 @@ int redrafter_gemm_init(int rows, int threads) {
 }
 
 /* Changes whenever the kernel's arithmetic or speed does: stored tunes (step costs) name it. */
-int redrafter_gemm_version(void) { return 2; }
+int redrafter_gemm_version(void) { return 3; }
 
 /* Products computed here so far (tests check the interposition is live). */
 long redrafter_gemm_handled(void) { return atomic_load(&handled); }
+
+/* Small products passed to MKL on one of its threads so far (0 under OpenBLAS). */
+long redrafter_gemm_serial(void) { return atomic_load(&serial); }

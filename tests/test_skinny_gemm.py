@@ -101,6 +101,18 @@ def test_attention_products_stay_with_the_blas():
     assert _blas.handled_products() == before
 
 
+@pytest.mark.skipif("mkl" not in _blas.status, reason="MKL is not the BLAS here")
+def test_small_products_run_on_one_mkl_thread():
+    """Decoding's attention products go to MKL on one thread (its spinning OpenMP workers took
+    the kernel's cores); prompt-sized products keep MKL's threads."""
+    before = _blas.serial_products()
+    mx.eval(mx.random.normal((21, 64)) @ mx.random.normal((300, 64)).T)
+    mx.eval(mx.random.normal((21, 300)) @ mx.random.normal((300, 64)))
+    assert _blas.serial_products() == before + 2
+    mx.eval(mx.random.normal((512, 896)) @ mx.random.normal((896, 896)))
+    assert _blas.serial_products() == before + 2
+
+
 def test_two_streams_at_once():
     """Each MLX CPU stream has its own thread: concurrent products must not share a job."""
     rng = np.random.default_rng(2)
