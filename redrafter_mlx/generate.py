@@ -246,6 +246,8 @@ def _redrafter_steps(
         longest = max(LONGEST_NGRAM, lookup)
         context = PromptLookup(history + prompt_ids + first, beams.shape[1] - 1, longest, lookup)
 
+    # Host draws (walk_targets) from a generator seeded by MLX's: mx.random.seed reproduces runs.
+    rng = None if sampling.greedy else np.random.default_rng(int(mx.random.randint(0, 2**31)))
     past = cache[0].length  # absolute position of the root g0
     gen_start = time.perf_counter()
     while True:
@@ -277,7 +279,7 @@ def _redrafter_steps(
             targets = node_targets(logits, sampling)
         else:  # process and sample only the rows the walk visits (see walk_targets)
             mx.eval(logits)
-            targets = walk_targets(logits, tree.children(), sampling)
+            targets = walk_targets(logits, tree.children(), sampling, rng)
         clock.lap("verify", targets)
         args = (propose, beams, mx.array(tree.unpacker), hidden, budget is not None, clock)
         acc, beams, scores = _accept_and_draft(*args, targets, also=unsure)

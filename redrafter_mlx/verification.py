@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 
@@ -53,6 +54,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temp == 0
+
+    @property
+    def host_drawable(self) -> bool:
+        """Temperature and top-p only: :func:`host_draw` can draw it."""
+        return self.temp > 0 and self.min_p == 0.0 and self.top_k == 0
 
 
 def sampling_logits(logits: mx.array, params: SamplingParams) -> mx.array:
@@ -160,8 +166,72 @@ def greedy_targets(logits: mx.array) -> tuple[mx.array, mx.array]:
     return top.astype(mx.int32), unsure
 
 
+#: Candidate screens of :func:`host_nucleus`, as ``exp(logit - max)`` floors: the nucleus is looked
+#: for among the tokens at least this likely relative to the likeliest, then the next floor.
+NUCLEUS_FLOORS = (1e-4, 1e-9)
+#: Relative margin within which :func:`host_nucleus` leaves a decision to mlx-lm's float32
+#: arithmetic: log-probabilities there (|x| < 16) round by less than 2e-6, masses by less.
+ROUNDING_MARGIN = 1e-4
+
+
+def host_nucleus(row: np.ndarray, top_p: float) -> np.ndarray | None:
+    """mlx-lm's top-p set of one row of logits [V] (float32, NumPy): the kept token ids, or None
+    where float32 rounding could decide it (then use :func:`sample_rows`).
+
+    The rule of :func:`nucleus`, in NumPy: MLX's CPU ``exp`` is scalar (~2 ms for 152k logits,
+    and top-p needs the total mass) where NumPy's is vectorised (~0.15 ms). The set is looked
+    for among the tokens with ``exp(logit - max)`` above a floor; tokens below the floor are
+    less likely than every candidate, so once the candidates hold ``top_p`` of the mass and not
+    all of them are kept, the rest are dropped as the full sort would drop them. mlx-lm decides
+    in float32 log-probabilities, where tokens closer than a rounding error tie: when a token
+    lies that close to the set's edge, or a mass that close to ``top_p``, the answer is None.
+    """
+    m = row.max()
+    e = np.exp(row - m)  # [V] float32, the likeliest is 1
+    target = top_p * e.sum(dtype=np.float64)
+    for floor in (*NUCLEUS_FLOORS, None):
+        ids = np.flatnonzero(e >= floor) if floor is not None else np.arange(row.shape[-1])
+        probs = e[ids].astype(np.float64)
+        order = np.argsort(-probs, kind="stable")
+        ids, probs = ids[order], probs[order]
+        mass_above = np.concatenate([[0.0], np.cumsum(probs)[:-1]])
+        n_kept = int((mass_above < target).sum())  # >= 1: the likeliest token
+        if n_kept < len(ids) or floor is None:
+            break
+    last = probs[n_kept - 1]
+    near = abs(mass_above[n_kept - 1] - target) < ROUNDING_MARGIN * target
+    if n_kept < len(ids):
+        near |= abs(mass_above[n_kept] - target) < ROUNDING_MARGIN * target
+    near |= bool(np.any((e < last) & (e >= last * (1 - ROUNDING_MARGIN))))
+    return None if near else ids[probs >= last]
+
+
+def host_draw(row: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int | None:
+    """One draw from mlx-lm's processed distribution of one row of logits [V], in NumPy, or None
+    where :func:`host_nucleus` leaves the top-p set to float32 rounding.
+
+    Temperature and top-p only (``params.host_drawable``): the law is ``exp(logit / temp)``
+    over the top-p set (all tokens without top-p), as ``make_sampler`` draws it.
+    """
+    if not params.host_drawable:
+        raise ValueError("host_draw handles temperature and top-p only; use sample_rows")
+    ids = None
+    if 0 < params.top_p < 1.0:
+        ids = host_nucleus(row, params.top_p)
+        if ids is None:
+            return None
+    logits = (row[ids] if ids is not None else row).astype(np.float64)
+    weights = np.exp((logits - logits.max()) / params.temp)
+    cdf = np.cumsum(weights)
+    j = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(cdf) - 1)
+    return int(ids[j]) if ids is not None else j
+
+
 def walk_targets(
-    logits: mx.array, children: list[dict[int, int]], params: SamplingParams
+    logits: mx.array,
+    children: list[dict[int, int]],
+    params: SamplingParams,
+    rng: np.random.Generator | None = None,
 ) -> mx.array:
     """Sampling targets drawn only at the nodes the walk visits; ``-1`` elsewhere.
 
@@ -170,14 +240,22 @@ def walk_targets(
     processed distribution, exactly as :func:`node_targets` would give it, so the emitted
     tokens follow the same law. What changes is the cost: mlx-lm's top-p sorts the whole
     vocabulary, per row, and only the visited rows (accepted + 1 of them) are processed instead
-    of all n, at one host sync per visited node. ``-1`` equals no token, so :func:`accept`
-    stops where the walk stopped. logits: [n, V] (evaluated); children: from
+    of all n. With ``rng`` and temperature/top-p sampling the draws are made in NumPy on the
+    evaluated logits (:func:`host_draw`, no device work); otherwise (and for a row whose top-p
+    set float32 rounding could decide) each visited row is drawn with :func:`sample_rows`, at
+    one host sync per visited node. ``-1`` equals no token, so
+    :func:`accept` stops where the walk stopped. logits: [n, V] (evaluated); children: from
     :meth:`~redrafter_mlx.tree_attention.PackedTree.children`. Returns [n] int32.
     """
     targets = [-1] * len(children)
+    on_host = rng is not None and params.host_drawable and logits.dtype == mx.float32
+    rows = np.asarray(logits) if on_host else None  # no copy
     node = 0
     while node is not None:
-        targets[node] = int(sample_rows(logits[node : node + 1], params).item())
+        draw = host_draw(rows[node], params, rng) if on_host else None
+        if draw is None:
+            draw = int(sample_rows(logits[node : node + 1], params).item())
+        targets[node] = draw
         node = children[node].get(targets[node])
     return mx.array(targets, dtype=mx.int32)
 

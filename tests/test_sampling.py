@@ -11,6 +11,8 @@ from redrafter_mlx.tree_budget import TreeBudget
 from redrafter_mlx.verification import (
     SamplingParams,
     accept,
+    host_draw,
+    host_nucleus,
     node_targets,
     nucleus,
     sample_rows,
@@ -190,6 +192,20 @@ def test_walk_targets_draw_only_along_the_walk():
     )
 
 
+def test_walk_targets_draw_on_the_host_with_a_generator():
+    """With a NumPy generator and temperature/top-p the visited rows are drawn in NumPy: a tiny
+    temperature makes every draw the row's argmax, so the walk is the one above."""
+    tree = pack_beams(np.array([[5, 1, 2], [5, 1, 3], [5, 4, 0]]))
+    logits = np.random.default_rng(0).normal(size=(tree.size, 6)).astype(np.float32)
+    logits[0, 1] = logits[1, 3] = 9.0
+    params = SamplingParams(temp=1e-3, top_p=0.9)
+    assert params.host_drawable
+    got = walk_targets(mx.array(logits), tree.children(), params, np.random.default_rng(1))
+    assert got.tolist() == [1, 3, -1, int(logits[3].argmax()), -1, -1]
+    with pytest.raises(ValueError, match="temperature and top-p only"):
+        host_draw(logits[0], SamplingParams(temp=1.0, top_k=2), np.random.default_rng(0))
+
+
 # top-p values no cumulative share of these small rows lands on (a tie there is decided by
 # float rounding, differently by any two summation orders)
 TOP_PS = [0.37, 0.618, 0.83, 0.911, 0.953, 0.987]
@@ -225,6 +241,66 @@ def test_nucleus_is_mlx_lms_top_p_set_where_it_says_exact(rows, top_p, candidate
             assert ok  # every token is a candidate
         if ok:
             assert sorted(ids[r][keep[r]].tolist()) == np.flatnonzero(want[r]).tolist()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    row=st.integers(1, 48).flatmap(
+        lambda v: (
+            st.lists(
+                st.sampled_from([-40.0, -25.0, -9.0, -2.0, 0.0, 0.5, 1.0, 3.0, 7.5]),
+                min_size=v,
+                max_size=v,
+            )
+            | st.lists(st.floats(-30, 8, width=32), min_size=v, max_size=v)
+        )
+    ),
+    top_p=st.sampled_from(TOP_PS),
+)
+def test_host_nucleus_is_mlx_lms_top_p_set(row, top_p):
+    """Ties included, and rows whose nucleus reaches below the first candidate floors. Rows
+    that float32 rounding decides are left to sample_rows (None)."""
+    logits = np.array(row, dtype=np.float32)
+    logprobs = mx.array(logits[None]) - mx.logsumexp(mx.array(logits[None]), axis=-1, keepdims=True)
+    want = np.flatnonzero(np.array(apply_top_p(logprobs, top_p))[0] > -np.inf).tolist()
+    got = host_nucleus(logits, top_p)
+    if got is not None:
+        assert sorted(got.tolist()) == want
+
+
+def test_host_nucleus_decides_real_looking_rows():
+    """LLM-like rows (a few likely tokens over a 152k tail that the nucleus does not reach):
+    decided, and equal to mlx-lm's; a token within rounding of the edge is left to MLX."""
+    rng = np.random.default_rng(3)
+    for top_p in TOP_PS[:-1]:
+        row = rng.normal(size=151_936).astype(np.float32) * 2 - 8
+        row[rng.choice(151_936, 6, replace=False)] += rng.uniform(12, 18, 6).astype(np.float32)
+        got = host_nucleus(row, top_p)
+        lp = mx.array(row[None]) - mx.logsumexp(mx.array(row[None]), axis=-1, keepdims=True)
+        want = np.flatnonzero(np.array(apply_top_p(lp, top_p))[0] > -np.inf).tolist()
+        assert got is not None and sorted(got.tolist()) == want
+    tied = np.array([0.0] * 7 + [-1e-7], dtype=np.float32)  # mlx-lm's float32 ties all eight
+    assert host_nucleus(tied, 0.37) is None
+
+
+@pytest.mark.parametrize("shape", ["peaked", "flat", "no top-p"])
+def test_host_draw_follows_mlx_lms_law(shape):
+    rng = np.random.default_rng(1)
+    row = rng.normal(size=40).astype(np.float32) * 3
+    if shape == "peaked":
+        row[[3, 17, 29]] += [12.0, 11.5, 11.0]
+    params = SamplingParams(temp=0.7, top_p=0.0 if shape == "no top-p" else 0.9)
+    n, draws_rng = 20_000, np.random.default_rng(2)
+    draws = np.array([host_draw(row, params, draws_rng) for _ in range(n)])
+    law = np_processed_probs(row, params)
+    assert not set(draws.tolist()) - set(np.flatnonzero(law > 0).tolist())
+    seen = law * n >= 5
+    obs, exp = np.bincount(draws, minlength=40), law * n
+    obs = np.append(obs[seen], obs[~seen].sum())
+    exp = np.append(exp[seen], exp[~seen].sum())
+    keep = exp > 0
+    p = chisquare(obs[keep], exp[keep] * obs.sum() / exp[keep].sum()).pvalue
+    assert p > 1e-3, p
 
 
 @pytest.mark.parametrize("top_p,kept", [(0.5, [0]), (0.75, [0, 1]), (0.875, [0, 1, 2])])
