@@ -1,11 +1,13 @@
-"""What drawing the verification targets costs: the full top-p sort vs the nucleus shortcut.
+"""What drawing the verification targets costs: the full top-p sort vs the nucleus shortcuts.
 
 Each verification step draws one target per tree node from the LLM's processed distribution.
 mlx-lm's ``apply_top_p`` sorts the whole vocabulary per row; ``verification.sample_rows`` looks
 for the nucleus among the 1024 likeliest tokens and falls back to the full sort only when that
-cannot decide a row exactly. This times both on real logits: the LLM's rows over its own
-greedy answers to HumanEval prompts, in groups of n rows (a tree of n nodes), and reports the
-median per group, their ratio, and how many rows the shortcut decided. Writes JSON.
+cannot decide a row exactly; ``verification.host_draw`` (what the engine uses, row by row on
+the evaluated logits) does the same in NumPy and leaves rows that float32 rounding could decide
+to ``sample_rows``. This times all three on real logits: the LLM's rows over its own greedy
+answers to HumanEval prompts, in groups of n rows (a tree of n nodes), and reports the median
+per group, the ratios, and how many rows each shortcut decided. Writes JSON.
 
     python bench/sampling.py --model ~/.cache/redrafter-mlx/models/qwen2.5-coder-0.5b-instruct
 """
@@ -22,12 +24,15 @@ from redrafter_mlx.loading import load
 from redrafter_mlx.verification import (
     NUCLEUS_CANDIDATES,
     SamplingParams,
+    host_draw,
+    host_nucleus,
     nucleus,
     sample_rows,
     sampling_logits,
 )
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import generate_step
 
 
@@ -74,6 +79,16 @@ def main() -> None:
     def full(x: mx.array) -> mx.array:  # what mlx-lm's sampler does, row by row
         return mx.random.categorical(sampling_logits(x, params), axis=-1)
 
+    rng = np.random.default_rng(0)
+
+    def host(x: mx.array) -> mx.array:  # the engine's walk: NumPy, else sample_rows per row
+        rows_np = np.asarray(x)
+        draws = [host_draw(r, params, rng) for r in rows_np]
+        return mx.array(
+            [d if d is not None else int(sample_rows(x[i : i + 1], params).item())
+             for i, d in enumerate(draws)]
+        )  # fmt: skip
+
     def timed(fn, n: int) -> float:
         times = []
         for s in range(0, rows.shape[0] - n + 1, n):
@@ -87,22 +102,37 @@ def main() -> None:
     mx.random.seed(0)
     results = []
     for n in [int(s) for s in args.sizes.split(",")]:
-        full_ms, fast_ms = timed(full, n), timed(sample_rows, n)
+        full_ms, fast_ms, host_ms = timed(full, n), timed(sample_rows, n), timed(host, n)
         results.append(
-            {"rows": n, "full_ms": full_ms, "nucleus_ms": fast_ms, "ratio": full_ms / fast_ms}
+            {
+                "rows": n,
+                "full_ms": full_ms,
+                "nucleus_ms": fast_ms,
+                "host_ms": host_ms,
+                "ratio": full_ms / fast_ms,
+                "host_ratio": full_ms / host_ms,
+            }
         )
 
     info = machine_info()
     decided = sum(exact.tolist())
+    host_decided = sum(host_nucleus(r, args.top_p) is not None for r in np.asarray(rows))
     print(f"machine: {info}")
     print(
         f"{rows.shape[0]} rows, vocabulary {rows.shape[1]}, T={args.temp} top-p {args.top_p}; "
         f"nucleus size median {statistics.median(nucleus_sizes)}, max {nucleus_sizes[-1]}; "
-        f"decided among {NUCLEUS_CANDIDATES} candidates: {decided}/{rows.shape[0]}"
+        f"decided among {NUCLEUS_CANDIDATES} candidates: {decided}/{rows.shape[0]}; "
+        f"in NumPy: {host_decided}/{rows.shape[0]}"
     )
-    print(f"{'rows':>4s} {'full sort ms':>12s} {'nucleus ms':>10s} {'full/nucleus':>12s}")
+    print(
+        f"{'rows':>4s} {'full sort ms':>12s} {'nucleus ms':>10s} {'NumPy ms':>9s} "
+        f"{'full/nucleus':>12s} {'full/NumPy':>10s}"
+    )
     for r in results:
-        print(f"{r['rows']:4d} {r['full_ms']:12.2f} {r['nucleus_ms']:10.2f} {r['ratio']:11.2f}x")
+        print(
+            f"{r['rows']:4d} {r['full_ms']:12.2f} {r['nucleus_ms']:10.2f} {r['host_ms']:9.2f} "
+            f"{r['ratio']:11.2f}x {r['host_ratio']:9.2f}x"
+        )
     write_json(
         args.out,
         {
@@ -111,6 +141,7 @@ def main() -> None:
             "vocabulary": rows.shape[1],
             "rows_total": rows.shape[0],
             "decided": decided,
+            "host_decided": host_decided,
             "nucleus_sizes": nucleus_sizes,
             "results": results,
         },
