@@ -24,7 +24,7 @@ from redrafter_mlx.loading import load
 from redrafter_mlx.verification import (
     NUCLEUS_CANDIDATES,
     SamplingParams,
-    host_draw,
+    draw_target,
     host_nucleus,
     nucleus,
     sample_rows,
@@ -81,13 +81,8 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
 
-    def host(x: mx.array) -> mx.array:  # the engine's walk: NumPy, else sample_rows per row
-        rows_np = np.asarray(x)
-        draws = [host_draw(r, params, rng) for r in rows_np]
-        return mx.array(
-            [d if d is not None else int(sample_rows(x[i : i + 1], params).item())
-             for i, d in enumerate(draws)]
-        )  # fmt: skip
+    def host(x: mx.array) -> mx.array:  # the engine's walk: each row as walk_targets draws it
+        return mx.array([draw_target(x, i, params, rng) for i in range(x.shape[0])])
 
     def timed(fn, n: int) -> float:
         times = []

@@ -246,8 +246,10 @@ def _redrafter_steps(
         longest = max(LONGEST_NGRAM, lookup)
         context = PromptLookup(history + prompt_ids + first, beams.shape[1] - 1, longest, lookup)
 
-    # Host draws (walk_targets) from a generator seeded by MLX's: mx.random.seed reproduces runs.
-    rng = None if sampling.greedy else np.random.default_rng(int(mx.random.randint(0, 2**31)))
+    # NumPy draws (walk_targets) from a generator seeded by MLX's: mx.random.seed reproduces runs.
+    rng = None
+    if sampling.host_drawable:
+        rng = np.random.default_rng(int(mx.random.randint(0, 2**31)))
     past = cache[0].length  # absolute position of the root g0
     gen_start = time.perf_counter()
     while True:

@@ -227,6 +227,18 @@ def host_draw(row: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     return int(ids[j]) if ids is not None else j
 
 
+def draw_target(
+    logits: mx.array, i: int, params: SamplingParams, rng: np.random.Generator | None = None
+) -> int:
+    """One draw from row ``i`` of evaluated logits [n, V]: in NumPy (:func:`host_draw`) when
+    ``rng`` is given and the row allows it, else with :func:`sample_rows` (a host sync)."""
+    if rng is not None and params.host_drawable and logits.dtype == mx.float32:
+        draw = host_draw(np.asarray(logits)[i], params, rng)  # a view, no copy
+        if draw is not None:
+            return draw
+    return int(sample_rows(logits[i : i + 1], params).item())
+
+
 def walk_targets(
     logits: mx.array,
     children: list[dict[int, int]],
@@ -248,14 +260,9 @@ def walk_targets(
     :meth:`~redrafter_mlx.tree_attention.PackedTree.children`. Returns [n] int32.
     """
     targets = [-1] * len(children)
-    on_host = rng is not None and params.host_drawable and logits.dtype == mx.float32
-    rows = np.asarray(logits) if on_host else None  # no copy
     node = 0
     while node is not None:
-        draw = host_draw(rows[node], params, rng) if on_host else None
-        if draw is None:
-            draw = int(sample_rows(logits[node : node + 1], params).item())
-        targets[node] = draw
+        targets[node] = draw_target(logits, node, params, rng)
         node = children[node].get(targets[node])
     return mx.array(targets, dtype=mx.int32)
 

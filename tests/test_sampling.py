@@ -11,6 +11,7 @@ from redrafter_mlx.tree_budget import TreeBudget
 from redrafter_mlx.verification import (
     SamplingParams,
     accept,
+    draw_target,
     host_draw,
     host_nucleus,
     node_targets,
@@ -204,6 +205,18 @@ def test_walk_targets_draw_on_the_host_with_a_generator():
     assert got.tolist() == [1, 3, -1, int(logits[3].argmax()), -1, -1]
     with pytest.raises(ValueError, match="temperature and top-p only"):
         host_draw(logits[0], SamplingParams(temp=1.0, top_k=2), np.random.default_rng(0))
+
+
+def test_rows_rounding_decides_are_drawn_by_mlx():
+    """mlx-lm's float32 log-probabilities tie the last token with the seven zeros, so its top-p
+    set holds all eight; host_nucleus leaves the row to sample_rows, which draws token 7 too."""
+    tied = mx.array([[0.0] * 7 + [-1e-7]], dtype=mx.float32)
+    params = SamplingParams(temp=1.0, top_p=0.37)
+    assert host_nucleus(np.asarray(tied)[0], params.top_p) is None
+    mx.random.seed(0)
+    rng = np.random.default_rng(0)
+    draws = {draw_target(tied, 0, params, rng) for _ in range(400)}
+    assert draws == set(range(8))
 
 
 # top-p values no cumulative share of these small rows lands on (a tie there is decided by
