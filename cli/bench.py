@@ -79,11 +79,13 @@ def run_bench(
     log,
     prune=False,
     lookups=(0,),
+    full_head=False,
 ) -> tuple[dict, list]:
     """AR and every (W, L) config on every prompt, alternating; returns summary and runs.
 
     ``prune`` adds a pruned run of each config, with the step cost measured here first;
-    each config runs once per prompt-lookup size in ``lookups``.
+    each config runs once per prompt-lookup size in ``lookups``; ``full_head`` adds a run of
+    each unpruned config with greedy targets from the float32 head instead of its int8 screen.
     """
     from redrafter_mlx.benchmark import compare, summarize
     from redrafter_mlx.generate import step_cost, stream_autoregressive, stream_generate
@@ -101,7 +103,7 @@ def run_bench(
 
         return run
 
-    def redrafter(W: int, L: int, lookup: int, budget: TreeBudget | None = None):
+    def redrafter(W: int, L: int, lookup: int, budget: TreeBudget | None = None, head=True):
         return seeded(
             lambda ids: stream_generate(
                 model,
@@ -112,6 +114,7 @@ def run_bench(
                 profile=profile,
                 budget=budget,
                 lookup=lookup,
+                greedy_head=head,
                 **kw,
             )
         )
@@ -121,6 +124,8 @@ def run_bench(
     for W, L in configs:
         for n in lookups:
             runners[run_name(W, L, False, n)] = redrafter(W, L, n)
+            if full_head and sampling.greedy:
+                runners[run_name(W, L, False, n) + " full head"] = redrafter(W, L, n, head=False)
         if not prune:
             continue
         cost = step_cost(model, drafter, W, L)
@@ -255,6 +260,14 @@ def bench(
             "chat and generate use 2).",
         ),
     ] = "2",
+    full_head: Annotated[
+        bool,
+        typer.Option(
+            "--full-head",
+            help="Greedy: also run each config with its targets from the float32 LM head "
+            "instead of the int8 screen (to see what the screen gains).",
+        ),
+    ] = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """Measure ReDrafter against mlx-lm's autoregressive decoding on the same prompts."""
@@ -296,6 +309,7 @@ def bench(
             err.print,
             prune,
             lookups,
+            full_head,
         )
         settings.put(model_dir, "ar_tokens_per_s", summary["AR (mlx-lm)"]["generation_tps"])
         mode = "greedy" if sampling.greedy else f"temp {temp}, top-p {top_p}"

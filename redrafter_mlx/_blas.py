@@ -153,6 +153,12 @@ def _load_gemm() -> None:
     _gemm_lib.redrafter_gemm_init.argtypes = [ctypes.c_int, ctypes.c_int]
     _gemm_lib.redrafter_gemm_handled.restype = ctypes.c_long
     _gemm_lib.redrafter_gemm_serial.restype = ctypes.c_long
+    _gemm_lib.redrafter_gemm_takes.argtypes = [ctypes.c_int] * 3
+    ptr = ctypes.c_void_p
+    _gemm_lib.redrafter_head_screen.argtypes = [ctypes.c_int] * 3 + [ptr] * 5
+    _gemm_lib.redrafter_head_screen.restype = None
+    _gemm_lib.redrafter_head_exact.argtypes = [ctypes.c_int] * 2 + [ptr] * 3 + [ctypes.c_int, ptr]
+    _gemm_lib.redrafter_head_exact.restype = None
 
 
 def _env_int(name: str, default: int) -> int:
@@ -192,6 +198,42 @@ def serial_products() -> int:
     if _gemm_lib is None:
         return 0
     return int(_gemm_lib.redrafter_gemm_serial())
+
+
+def kernel_takes(rows: int, n: int, k: int) -> bool:
+    """Whether a product of ``rows`` activation rows by an [n, k] weight's transpose runs in
+    the few-row kernel here (not in the BLAS)."""
+    return gemm == "on" and bool(_gemm_lib.redrafter_gemm_takes(rows, n, k))
+
+
+def _ptr(a):  # a C-contiguous NumPy array's data pointer
+    return a.ctypes.data
+
+
+def head_screen(x16, x_scale, q, scale):
+    """``(x16 @ q.T) * scale * x_scale[:, None]``, summed exactly in int32, on the kernel's threads.
+
+    x16: [M, K] int16, x_scale: [M] float32, q: [N, K] int8, scale: [N] float32, all
+    C-contiguous NumPy arrays, with ``max|x16| * 127 * K < 2**31``. Returns [M, N] float32."""
+    import numpy as np
+
+    (m, k), n = x16.shape, q.shape[0]
+    out = np.empty((m, n), np.float32)
+    lib = _gemm_lib
+    lib.redrafter_head_screen(m, n, k, _ptr(x16), _ptr(x_scale), _ptr(q), _ptr(scale), _ptr(out))
+    return out
+
+
+def head_exact(x, w, cols):
+    """Columns ``cols`` of ``x @ w.T`` exactly as the kernel computes the whole product.
+
+    x: [M, K] float32, w: [N, K] float32, cols: [n] int32, C-contiguous. Returns [M, n]."""
+    import numpy as np
+
+    m, k = x.shape
+    out = np.empty((m, len(cols)), np.float32)
+    _gemm_lib.redrafter_head_exact(m, k, _ptr(x), _ptr(w), _ptr(cols), len(cols), _ptr(out))
+    return out
 
 
 def load_blas() -> str:

@@ -32,6 +32,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from .beam_search import Proposer, make_proposer
 from .drafter import Drafter
+from .greedy_head import GreedyHead
 from .kv_cache import TreeKVCache
 from .llm import TreeLLM
 from .loading import check_compatible
@@ -163,6 +164,7 @@ def stream_redrafter(
     budget: TreeBudget | None = None,
     lookup: int = 0,
     history: Sequence[int] = (),
+    greedy_head: bool = True,
 ) -> Iterator[StepOutput]:
     """Generate with ReDrafter, yielding the tokens of each step as soon as they are accepted.
 
@@ -189,6 +191,10 @@ def stream_redrafter(
     always verified (their prefix score is taken as 0, which also leaves the calibration
     unchanged). ``history`` is the text before ``prompt`` that ``cache`` already holds (a chat's
     earlier turns): lookup searches it too.
+
+    ``greedy_head`` (greedy only) takes the targets from an int8 screen of the LM head and an
+    exact recount of the few columns that could win (:mod:`redrafter_mlx.greedy_head`), where
+    the few-row kernel computes the head: the same tokens, without streaming the float32 head.
     """
     if lookup < 0:
         raise ValueError(f"lookup is the shortest n-gram to match (0: off), got {lookup}")
@@ -205,6 +211,7 @@ def stream_redrafter(
         budget,
         lookup,
         [int(t) for t in history],
+        greedy_head,
     )
     return on_stream(steps, generation_stream)
 
@@ -222,12 +229,17 @@ def _redrafter_steps(
     budget: TreeBudget | None,
     lookup: int,
     history: list[int],
+    greedy_head: bool,
 ) -> Iterator[StepOutput]:
     sampling = sampling or SamplingParams()
     prompt_ids = _as_prompt(prompt)
     summary = GenerationSummary(prompt_tokens=len(prompt_ids))
     emitter = _Emitter(summary, max_tokens, stop_tokens)
     cache = cache if cache is not None else llm.make_cache()
+    # Greedy targets from the LM head's int8 screen where they are provably exact (built once
+    # per model, before the clock starts).
+    head = GreedyHead.for_model(llm.model) if sampling.greedy and greedy_head else None
+    extra_bytes = head.nbytes if head is not None else 0  # NumPy memory: not in MLX's peak
     mx.reset_peak_memory()
 
     tic = time.perf_counter()
@@ -237,7 +249,7 @@ def _redrafter_steps(
     mx.eval(g0, beams, scores)
     summary.prompt_time = time.perf_counter() - tic
     first = emitter.cut([int(g0.item())])
-    summary.peak_memory_gb = mx.get_peak_memory() / 1e9
+    summary.peak_memory_gb = (mx.get_peak_memory() + extra_bytes) / 1e9
     yield StepOutput(first, StepStats(len(first), 0, 0, summary.prompt_time), summary)
     if summary.finish_reason:
         return
@@ -273,9 +285,12 @@ def _redrafter_steps(
             positions=mx.array(tree.positions(past)),
             ancestors=mx.array(tree.ancestor_mask()),
         )
-        logits = llm.logits(hidden)
+        logits = llm.logits(hidden)  # lazy: the screen below usually leaves it unevaluated
         unsure = None
-        if sampling.greedy and logits.dtype == mx.float32:  # no sync before acceptance
+        screened = head.targets(hidden) if head is not None and head.usable(tree.size) else None
+        if screened is not None:  # the int8 screen and an exact recount (one more sync)
+            targets, unsure = mx.array(screened[0]), mx.array(screened[1])
+        elif sampling.greedy and logits.dtype == mx.float32:  # no sync before acceptance
             targets, unsure = greedy_targets(logits)
         elif sampling.greedy:
             targets = node_targets(logits, sampling)
@@ -304,7 +319,7 @@ def _redrafter_steps(
         summary.steps += 1
         summary.lookup_steps += copied is not None
         summary.generation_time = time.perf_counter() - gen_start
-        summary.peak_memory_gb = mx.get_peak_memory() / 1e9
+        summary.peak_memory_gb = (mx.get_peak_memory() + extra_bytes) / 1e9
         depth_hist = summary.accepted_by_depth
         depth_hist.extend([0] * (count - 1 - len(depth_hist)))
         for d in range(count - 1):
@@ -421,8 +436,9 @@ def step_cost(model: nn.Module, drafter: Drafter, beam_width: int, beam_length: 
     check_compatible(drafter, model)
     llm = TreeLLM(model)
     propose = make_proposer(drafter, llm.embed, beam_width, beam_length, with_scores=True)
+    head = GreedyHead.for_model(model)
     with mx.stream(generation_stream):
-        return measure_step_cost(llm, propose, 1 + beam_width * (beam_length - 1))
+        return measure_step_cost(llm, propose, 1 + beam_width * (beam_length - 1), head=head)
 
 
 def stream_generate(

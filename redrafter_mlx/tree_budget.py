@@ -34,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from .beam_search import Proposer
+from .greedy_head import GreedyHead
 from .llm import TreeLLM
 from .tree_attention import NO_TOKEN, PackedTree
 
@@ -135,10 +136,17 @@ class TreeBudget:
 
 
 def measure_step_cost(
-    llm: TreeLLM, propose: Proposer, max_size: int, *, past: int = 128, repeats: int = 3
+    llm: TreeLLM,
+    propose: Proposer,
+    max_size: int,
+    *,
+    past: int = 128,
+    repeats: int = 3,
+    head: GreedyHead | None = None,
 ) -> list[float]:
     """Median seconds of a greedy step verifying n = 1..max_size tokens on this machine: the
-    proposer's beam search, then the LLM forward over n tree tokens and their argmax.
+    proposer's beam search, then the LLM forward over n tree tokens and their argmax (from
+    ``head``'s screen where it is given and can decide, as the engine takes it).
 
     Uses its own cache holding ``past`` tokens; sizes are interleaved within each repeat so
     that drift in the machine's speed spreads over all of them. One warm-up round.
@@ -160,7 +168,12 @@ def measure_step_cost(
                 positions=mx.arange(past, past + n, dtype=mx.int32),
                 ancestors=mx.tril(mx.ones((n, n), dtype=mx.bool_)),
             )
-            mx.eval(draft, mx.argmax(llm.logits(out), axis=-1))
+            if head is not None and head.usable(n):
+                mx.eval(draft, out)
+                if head.targets(out) is None:
+                    mx.eval(mx.argmax(llm.logits(out), axis=-1))
+            else:
+                mx.eval(draft, mx.argmax(llm.logits(out), axis=-1))
             if r:
                 times[n].append(time.perf_counter() - tic)
             for c in cache:

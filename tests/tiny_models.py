@@ -13,7 +13,13 @@ FAMILIES = ("llama", "qwen2", "gemma3_text")
 
 
 def tiny_llm(
-    family: str, vocab_size: int = 64, seed: int = 0, window: int = 8, scale: float = 2.0, **kw
+    family: str,
+    vocab_size: int = 64,
+    seed: int = 0,
+    window: int = 8,
+    scale: float = 2.0,
+    hidden_size: int = 32,
+    **kw,
 ) -> nn.Module:
     """A 2-4 layer float32 model of the given mlx-lm family with random weights.
 
@@ -24,7 +30,7 @@ def tiny_llm(
     if family == "llama":
         args = llama.ModelArgs(
             model_type="llama",
-            hidden_size=32,
+            hidden_size=hidden_size,
             num_hidden_layers=2,
             intermediate_size=64,
             num_attention_heads=4,
@@ -38,7 +44,7 @@ def tiny_llm(
     elif family == "llama_swa":  # llama with sliding-window layers (Mistral-style layer_types)
         args = llama.ModelArgs(
             model_type="llama",
-            hidden_size=32,
+            hidden_size=hidden_size,
             num_hidden_layers=3,
             intermediate_size=64,
             num_attention_heads=4,
@@ -54,7 +60,7 @@ def tiny_llm(
     elif family == "qwen2":
         args = qwen2.ModelArgs(
             model_type="qwen2",
-            hidden_size=32,
+            hidden_size=hidden_size,
             num_hidden_layers=2,
             intermediate_size=64,
             num_attention_heads=4,
@@ -68,7 +74,7 @@ def tiny_llm(
     elif family == "gemma3_text":
         args = gemma3_text.ModelArgs(
             model_type="gemma3_text",
-            hidden_size=32,
+            hidden_size=hidden_size,
             num_hidden_layers=4,
             intermediate_size=64,
             num_attention_heads=2,
