@@ -17,7 +17,7 @@ if sys.platform.startswith("linux"):
             sources=["redrafter_mlx/_skinny_gemm.c"],
             # Contract a * b + c into FMA everywhere, so every path computes alike.
             extra_compile_args=["-O3", "-ffp-contract=fast", "-std=gnu11"],
-            libraries=["pthread", "dl"],
+            libraries=["pthread", "dl", "m"],
             optional=True,
         )
     )

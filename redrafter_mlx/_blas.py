@@ -159,6 +159,7 @@ def _load_gemm() -> None:
     _gemm_lib.redrafter_head_screen.restype = None
     _gemm_lib.redrafter_head_exact.argtypes = [ctypes.c_int] * 2 + [ptr] * 3 + [ctypes.c_int, ptr]
     _gemm_lib.redrafter_head_exact.restype = None
+    _gemm_lib.redrafter_head_quantize.argtypes = [ctypes.c_int] * 2 + [ptr] * 4
 
 
 def _env_int(name: str, default: int) -> int:
@@ -222,6 +223,19 @@ def head_screen(x16, x_scale, q, scale):
     lib = _gemm_lib
     lib.redrafter_head_screen(m, n, k, _ptr(x16), _ptr(x_scale), _ptr(q), _ptr(scale), _ptr(out))
     return out
+
+
+def head_quantize(w):
+    """The screen's int8 weights of w [N, K] (float32, C-contiguous): (q [N, K] int8, scale [N]
+    float32, norms [N, 3] float64: ||w - scale q||, ||scale q||, ||w|| per row), or None if w
+    has a non-finite value."""
+    import numpy as np
+
+    n, k = w.shape
+    q, scale, norms = np.empty((n, k), np.int8), np.empty(n, np.float32), np.empty((n, 3))
+    if _gemm_lib.redrafter_head_quantize(n, k, _ptr(w), _ptr(q), _ptr(scale), _ptr(norms)):
+        return None
+    return q, scale, norms
 
 
 def head_exact(x, w, cols):

@@ -36,6 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <math.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -495,6 +496,34 @@ void redrafter_head_screen(int M, int N, int K, const short *X, const float *XS,
                            const signed char *Q, const float *S, float *C) {
     job_t g = {M, N, K, K, K, N, 1.0f, 0.0f, NULL, NULL, C, screen_columns, Q, S, X, XS};
     run(&g);
+}
+
+/* The screen's weights: per row of W [N, K], scale S = max|w| / 127 (1 for a zero row), Q =
+ * round(w / S) as int8, and in float64 the norms ||w - S Q|| (exact residuals), ||S Q|| and
+ * ||w|| (norms [N, 3]). Returns 0, or 1 at the first non-finite weight. */
+int redrafter_head_quantize(int N, int K, const float *W, signed char *Q, float *S,
+                            double *norms) {
+    for (int j = 0; j < N; j++) {
+        const float *w = W + (size_t)j * K;
+        signed char *q = Q + (size_t)j * K;
+        float amax = 0.0f;
+        for (int k = 0; k < K; k++) {
+            if (!isfinite(w[k])) return 1;
+            amax = fmaxf(amax, fabsf(w[k]));
+        }
+        float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+        double e2 = 0.0, q2 = 0.0, w2 = 0.0;
+        for (int k = 0; k < K; k++) {
+            float r = rintf(w[k] / s);
+            r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+            q[k] = (signed char)r;
+            double sq = (double)s * r, e = (double)w[k] - sq; /* both exact in float64 */
+            e2 += e * e, q2 += sq * sq, w2 += (double)w[k] * w[k];
+        }
+        S[j] = s;
+        norms[3 * j] = sqrt(e2), norms[3 * j + 1] = sqrt(q2), norms[3 * j + 2] = sqrt(w2);
+    }
+    return 0;
 }
 
 /* C [M, n] = A [M, K] . B[cols]^T: the columns cols[0..n-1] of A B^T, each element computed by

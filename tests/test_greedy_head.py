@@ -213,3 +213,20 @@ def test_engine_with_the_screen_equals_mlx_lm(family, tie, W, L, lookup, monkeyp
         ]
         assert got == want
     assert decided and all(decided)  # the screen decided every step's targets
+
+
+def test_quantized_weights_and_their_norms():
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((300, 136), dtype=np.float32) * np.float32(0.1)
+    w[7] = 0.0  # a zero row: scale 1, q 0
+    q, scale, norms = _blas.head_quantize(w)
+    assert scale[7] == 1.0 and not q[7].any()
+    w64 = w.astype(np.float64)
+    np.testing.assert_allclose(scale, np.where(np.abs(w).max(1) > 0, np.abs(w).max(1) / 127, 1))
+    wq = q.astype(np.float64) * scale[:, None]
+    assert np.all(np.abs(w64 - wq) <= scale[:, None] * (0.5 + 1e-6))  # rounded to nearest
+    np.testing.assert_allclose(norms[:, 0], np.linalg.norm(w64 - wq, axis=1), rtol=1e-12)
+    np.testing.assert_allclose(norms[:, 1], np.linalg.norm(wq, axis=1), rtol=1e-12)
+    np.testing.assert_allclose(norms[:, 2], np.linalg.norm(w64, axis=1), rtol=1e-12)
+    w[3, 4] = np.nan
+    assert _blas.head_quantize(w) is None
