@@ -11,7 +11,9 @@ One ReDrafter step, with the device arrays kept lazy throughout::
     beams' = propose(h, g0)                     # next draft, still lazy
     sync: acc.tokens, acc.count, beams'         # the step's only host synchronisation
 
-The next draft is built before the sync, so each step costs one round trip to the device;
+The next draft is built before the sync, so each step costs one round trip to the device
+(two with greedy's int8 head screen, :mod:`.greedy_head`, which reads the hidden states on the
+host: on the CPU a round trip costs next to nothing, and the screen saves most of the head);
 ``profile=True`` adds a sync after each phase to time them (and so runs slower): ``tree``
 (beams to the host, prompt lookup, packing, pruning), ``verify`` (the LLM forward and its targets),
 ``accept``, ``draft`` (the next beam search) and ``commit`` (reading the result on the host,
