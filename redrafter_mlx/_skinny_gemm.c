@@ -201,19 +201,23 @@ KERNEL static void row_at_4_columns(const job_t *g, int m, int j) {
  * down projection) blocks of 4 weight rows are faster (measured on the AMD machine). */
 enum { ROW_STREAM_FLOATS = 4096 };
 
+/* fn(g, m, G, j) over the rows of column j in groups of at most G = 4, G a constant in each
+ * call: each group size compiles to its own unrolled loop. */
+#define EACH_ROW_GROUP(fn, g, j)                                                                   \
+    for (int m_ = 0; m_ < (g)->M; m_ += 4) switch ((g)->M - m_) {                                \
+        case 1: fn(g, m_, 1, j); break;                                                            \
+        case 2: fn(g, m_, 2, j); break;                                                            \
+        case 3: fn(g, m_, 3, j); break;                                                            \
+        default: fn(g, m_, 4, j); break;                                                           \
+        }
+
 KERNEL static void nt_columns(const job_t *g, int j0, int j1) {
     const int M = g->M;
     int j = j0;
     if (M > 4 || M * g->K > ROW_STREAM_FLOATS)
         for (; j + 4 <= j1; j += 4)
             for (int m = 0; m < M; m++) row_at_4_columns(g, m, j);
-    for (; j < j1; j++) /* constant G: each case compiles to its own unrolled loop */
-        for (int m = 0; m < M; m += 4) switch (M - m) {
-            case 1: rows_at_column(g, m, 1, j); break;
-            case 2: rows_at_column(g, m, 2, j); break;
-            case 3: rows_at_column(g, m, 3, j); break;
-            default: rows_at_column(g, m, 4, j); break;
-            }
+    for (; j < j1; j++) EACH_ROW_GROUP(rows_at_column, g, j);
 }
 
 /*
@@ -250,13 +254,7 @@ VNNI static inline __attribute__((always_inline)) void screen_rows_vnni(const jo
 }
 
 VNNI static void screen_columns_vnni(const job_t *g, int j0, int j1) {
-    for (int j = j0; j < j1; j++)
-        for (int m = 0; m < g->M; m += 4) switch (g->M - m) {
-            case 1: screen_rows_vnni(g, m, 1, j); break;
-            case 2: screen_rows_vnni(g, m, 2, j); break;
-            case 3: screen_rows_vnni(g, m, 3, j); break;
-            default: screen_rows_vnni(g, m, 4, j); break;
-            }
+    for (int j = j0; j < j1; j++) EACH_ROW_GROUP(screen_rows_vnni, g, j);
 }
 
 KERNEL static inline __attribute__((always_inline)) void screen_rows(const job_t *g, int m, int G,
@@ -288,13 +286,7 @@ KERNEL static void screen_columns(const job_t *g, int j0, int j1) {
         screen_columns_vnni(g, j0, j1);
         return;
     }
-    for (int j = j0; j < j1; j++)
-        for (int m = 0; m < g->M; m += 4) switch (g->M - m) {
-            case 1: screen_rows(g, m, 1, j); break;
-            case 2: screen_rows(g, m, 2, j); break;
-            case 3: screen_rows(g, m, 3, j); break;
-            default: screen_rows(g, m, 4, j); break;
-            }
+    for (int j = j0; j < j1; j++) EACH_ROW_GROUP(screen_rows, g, j);
 }
 #else
 static void screen_columns(const job_t *g, int j0, int j1) {
@@ -430,7 +422,7 @@ void cblas_sgemm(int layout, int ta, int tb, int M, int N, int K, float alpha, c
                  int lda, const float *B, int ldb, float beta, float *C, int ldc) {
     if (enabled && layout == ROW_MAJOR && ta == NO_TRANS && tb == TRANS && M >= 1 &&
         M <= max_rows && N >= 1 && K >= MIN_DOT) {
-        job_t g = {M, N, K, lda, ldb, ldc, alpha, beta, A, B, C, NULL, NULL, NULL, NULL, NULL};
+        job_t g = {M, N, K, lda, ldb, ldc, alpha, beta, A, B, C}; /* the rest NULL: nt_columns */
         run(&g);
         atomic_fetch_add_explicit(&handled, 1, memory_order_relaxed);
         return;
@@ -494,7 +486,8 @@ int redrafter_gemm_takes(int M, int N, int K) {
  * XS [M], on the pool's threads. */
 void redrafter_head_screen(int M, int N, int K, const short *X, const float *XS,
                            const signed char *Q, const float *S, float *C) {
-    job_t g = {M, N, K, K, K, N, 1.0f, 0.0f, NULL, NULL, C, screen_columns, Q, S, X, XS};
+    job_t g = {.M = M, .N = N, .K = K, .lda = K, .ldb = K, .ldc = N, .alpha = 1.0f, .C = C,
+               .columns = screen_columns, .Q = Q, .S = S, .X = X, .XS = XS};
     run(&g);
 }
 
@@ -531,8 +524,8 @@ int redrafter_head_quantize(int N, int K, const float *W, signed char *Q, float 
 void redrafter_head_exact(int M, int K, const float *A, const float *B, const int *cols, int n,
                           float *C) {
     for (int i = 0; i < n; i++) {
-        job_t g = {M, 1, K, K, K, n, 1.0f, 0.0f, A, B + (size_t)cols[i] * K, C + i,
-                   NULL, NULL, NULL, NULL, NULL};
+        job_t g = {.M = M, .N = 1, .K = K, .lda = K, .ldb = K, .ldc = n, .alpha = 1.0f,
+                   .A = A, .B = B + (size_t)cols[i] * K, .C = C + i};
         nt_columns(&g, 0, 1);
     }
 }

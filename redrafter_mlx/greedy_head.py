@@ -58,7 +58,7 @@ def _numpy(a: mx.array) -> np.ndarray:
 class GreedyHead:
     """The int8 screen of one LM head weight and its error bounds (see the module docstring).
 
-    Costs ~V x H bytes (a quarter of the float32 head) and ~0.2 s to build.
+    Costs ~V x H bytes (a quarter of the float32 head) and ~0.8 s to build (Qwen2.5-0.5B's).
     """
 
     def __init__(self, weight: mx.array):
