@@ -13,7 +13,10 @@ One ReDrafter step, with the device arrays kept lazy throughout::
 
 The next draft is built before the sync, so each step costs one round trip to the device
 (two with greedy's int8 head screen, :mod:`.greedy_head`, which reads the hidden states on the
-host: on the CPU a round trip costs next to nothing, and the screen saves most of the head);
+host: on the CPU a round trip costs next to nothing, and the screen saves most of the head).
+With one beam and prompt lookup (no budget), a lookup match replaces that beam, so the next
+draft waits for the step's tokens and runs only where the lookup misses (one more round trip
+on those steps; on HumanEval the drafter is skipped on ~30% of the steps);
 ``profile=True`` adds a sync after each phase to time them (and so runs slower): ``tree``
 (beams to the host, prompt lookup, packing, pruning), ``verify`` (the LLM forward and its targets),
 ``accept``, ``draft`` (the next beam search) and ``commit`` (reading the result on the host,
@@ -256,9 +259,14 @@ def _redrafter_steps(
     if summary.finish_reason:
         return
     context = None
+    # Solo mode (one beam, no budget): a lookup match replaces the drafter's only beam, so the
+    # drafter runs only once the step's tokens show that the lookup has missed.
+    solo = bool(lookup) and beams.shape[0] == 1 and budget is None
     if lookup:
         longest = max(LONGEST_NGRAM, lookup)
         context = PromptLookup(history + prompt_ids + first, beams.shape[1] - 1, longest, lookup)
+    root = first[-1]  # the next tree's root token (solo mode)
+    pending: tuple[mx.array, mx.array] | None = None  # (hidden, g0) of the draft not yet run
 
     # NumPy draws (walk_targets) from a generator seeded by MLX's: mx.random.seed reproduces runs.
     rng = None
@@ -268,14 +276,22 @@ def _redrafter_steps(
     gen_start = time.perf_counter()
     while True:
         clock = _PhaseClock(profile)
-        drafted = np.array(beams)
         copied = context.propose() if context is not None else None
-        if copied is not None:  # in place of the lowest-ranked beam
-            drafted[-1, 1:] = copied
-            if scores is not None:
-                scores = np.array(scores)
-                scores[-1] = 0.0
+        if solo and copied is not None:  # the copy alone: the drafter is not run
+            drafted = np.array([[root, *copied]], dtype=np.int32)
             beams = mx.array(drafted)
+        else:
+            if pending is not None:  # solo mode drafts only once the lookup has missed
+                beams, scores = _draft(propose, *pending, False)
+                clock.lap("draft", beams)
+            drafted = np.array(beams)
+            if copied is not None:  # in place of the lowest-ranked beam
+                drafted[-1, 1:] = copied
+                if scores is not None:
+                    scores = np.array(scores)
+                    scores[-1] = 0.0
+                beams = mx.array(drafted)
+        pending = None
         tree = pack_beams(drafted)
         if budget is not None:  # verify only the nodes worth it; the rest become NO_TOKEN
             tree, drafted = budget.prune(tree, drafted, np.array(scores))
@@ -300,10 +316,15 @@ def _redrafter_steps(
             mx.eval(logits)
             targets = walk_targets(logits, tree.children(), sampling, rng)
         clock.lap("verify", targets)
-        args = (propose, beams, mx.array(tree.unpacker), hidden, budget is not None, clock)
+        # Solo mode decides whether to draft after the lookup has seen this step's tokens.
+        args = (None if solo else propose, beams, mx.array(tree.unpacker), hidden)
+        args += (budget is not None, clock)
         acc, beams, scores = _accept_and_draft(*args, targets, also=unsure)
         if unsure is not None and unsure.item():  # a near-tie (rare): mlx-lm's exact argmax
-            acc, beams, scores = _accept_and_draft(*args, node_targets(logits, sampling))
+            targets = node_targets(logits, sampling)
+            acc, beams, scores = _accept_and_draft(*args, targets)
+        if solo:
+            pending = (hidden[acc.last], targets[acc.last])
 
         count, beam = int(acc.count.item()), int(acc.beam.item())
         if budget is not None:
@@ -311,6 +332,7 @@ def _redrafter_steps(
         accepted = acc.tokens.tolist()[:count]
         if context is not None:
             context.extend(accepted)
+        root = accepted[-1]
         tokens = emitter.cut(accepted)
         # Keep the root and the emitted tokens but the newest (fewer than count if cut short).
         for c in cache:
@@ -360,7 +382,7 @@ class _PhaseClock:
 
 
 def _accept_and_draft(
-    propose: Proposer,
+    propose: Proposer | None,
     beams: mx.array,
     unpacker: mx.array,
     hidden: mx.array,
@@ -368,13 +390,16 @@ def _accept_and_draft(
     clock: _PhaseClock,
     targets: mx.array,
     also: mx.array | None = None,
-) -> tuple[Acceptance, mx.array, mx.array | None]:
+) -> tuple[Acceptance, mx.array | None, mx.array | None]:
     """The step's outcome and the next draft from its last accepted node, evaluated together
-    (with ``also``) in the step's one host synchronisation."""
+    (with ``also``) in the step's one host synchronisation. Without a proposer (solo mode),
+    the outcome alone (next beams and scores None)."""
     acc = accept(beams, unpacker, targets)
     clock.lap("accept", acc.tokens, acc.count, acc.beam)
-    next_beams, scores = _draft(propose, hidden[acc.last], targets[acc.last], need_scores)
-    clock.lap("draft", next_beams, scores)
+    next_beams = scores = None
+    if propose is not None:
+        next_beams, scores = _draft(propose, hidden[acc.last], targets[acc.last], need_scores)
+        clock.lap("draft", next_beams, scores)
     mx.eval(acc.tokens, acc.count, acc.beam, acc.path, next_beams, scores, also)
     return acc, next_beams, scores
 

@@ -308,3 +308,27 @@ def test_a_flagged_step_is_redone_with_mlx_lms_argmax(monkeypatch):
         case = make_case(i)
         got, ref, _ = run(case)
         assert got == ref, case
+
+
+def test_solo_lookup_skips_the_drafter():
+    """At W=1 a lookup match replaces the only beam: the drafter runs only on the other steps."""
+    family, seed, L = "qwen2", 0, 3
+    model, llm = model_for(family, seed)
+    prompt = [5, 9, 2, 7, 5, 9, 2, 7, 5, 9]
+    ref = reference(family, seed, tuple(prompt), 40)
+    drafter = tiny_drafter(32, VOCAB, seed=3)
+    inner = make_proposer(drafter, llm.embed, 1, L)
+    calls = []
+
+    def propose(hidden, g0):
+        calls.append(1)
+        return inner(hidden, g0)
+
+    outs = list(stream_redrafter(llm, propose, prompt, max_tokens=40, lookup=1))
+    assert [t for out in outs for t in out.tokens] == ref
+    steps = [out.stats for out in outs[1:]]
+    looked_up = [s for s in steps if s.looked_up]
+    assert looked_up and len(looked_up) < len(steps), "the case must mix both kinds of step"
+    # The first draft is made with the prompt; later ones only where the lookup missed.
+    assert len(calls) == 1 + sum(not s.looked_up for s in steps[1:])
+    assert all(s.tree_size <= L for s in steps)
