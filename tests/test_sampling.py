@@ -120,14 +120,18 @@ def test_processed_probs_match_mlx_lm_filters():
 @pytest.mark.parametrize(
     "name,variant",
     [(name, "") for name in CONFIGS]
-    + [("T=0.7,top_p=0.8", "pruned"), ("T=1.0", "lookup"), ("T=0.7,top_p=0.8", "lookup+pruned")],
+    + [("T=0.7,top_p=0.8", "pruned"), ("T=1.0", "lookup"), ("T=0.7,top_p=0.8", "lookup+pruned")]
+    + [("T=1.0", "lookup+solo")],
 )
 def test_redrafter_sampling_matches_exact_law(setup, name, variant):
     """Also with the tree pruned to a budget: which nodes get verified depends on the drafter
     only, so the emitted tokens keep the LLM's law. And with prompt lookup (1-grams, which hit
-    often here): its drafts depend on the tokens emitted before, never on this step's draws."""
+    often here): its drafts depend on the tokens emitted before, never on this step's draws;
+    with one beam ("solo"), a lookup match replaces it and the drafter runs on the other steps."""
     model, llm, propose = setup
     kw = {}
+    if "solo" in variant:
+        propose = make_proposer(tiny_drafter(32, V, seed=4), llm.embed, 1, 3)
     if "pruned" in variant:
         propose = make_proposer(tiny_drafter(32, V, seed=4), llm.embed, 3, 3, with_scores=True)
         kw["budget"] = TreeBudget([1.0, 1.05, 1.1, 1.15])  # at most 4 of 7 nodes
