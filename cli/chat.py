@@ -54,7 +54,9 @@ class Session:
         self.model, self.tokenizer = llm, tokenizer
         self.tree_llm = TreeLLM(llm) if drafter is not None else None
         self.propose = (
-            make_proposer(drafter, self.tree_llm.embed, W, L, with_scores=budget is not None)
+            make_proposer(
+                drafter, self.tree_llm.embed, W, L, with_scores=budget is not None, int8=True
+            )
             if drafter is not None
             else None
         )

@@ -126,17 +126,30 @@ def make_proposer(
     top_k: int | None = None,
     compiled: bool = True,
     with_scores: bool = False,
+    int8: bool = False,
 ) -> Proposer:
     """A proposer that runs :func:`beam_search` with fixed beam shape.
 
     ``with_scores`` makes it return ``(tokens, prefix_scores)``, what tree pruning
     (:mod:`redrafter_mlx.tree_budget`) ranks nodes by.
 
+    ``int8`` (one beam, no scores): where the few-row kernel runs, draft from int8 copies of
+    the drafter's weights (:mod:`redrafter_mlx.drafter_int8`; a quarter of the bytes, drafts
+    that may differ where the drafter's logits nearly tie). The copies are taken now: use it
+    for generation, not while the drafter is being trained.
+
     ``compiled`` traces the search once per input shape with ``mx.compile``, which fuses its
     many small element-wise ops (log-softmax, scores, gathers) into fewer kernels. The drafter's
     weights are passed as compile inputs, so later weight updates are seen; the LLM's embedding
     table is captured as a constant (it does not change during generation).
     """
+
+    if int8 and width == 1 and not with_scores:
+        from .drafter_int8 import Int8OneBeam
+
+        one_beam = Int8OneBeam.for_drafter(drafter, embed, length)
+        if one_beam is not None:
+            return one_beam
 
     def propose(hidden: mx.array, g0: mx.array) -> mx.array | tuple[mx.array, mx.array]:
         beams = beam_search(drafter, embed, hidden, g0, width, length, top_k=top_k)

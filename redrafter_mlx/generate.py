@@ -244,7 +244,8 @@ def _redrafter_steps(
     # Greedy targets from the LM head's int8 screen where they are provably exact (built once
     # per model, before the clock starts).
     head = GreedyHead.for_model(llm.model) if sampling.greedy and greedy_head else None
-    extra_bytes = head.nbytes if head is not None else 0  # NumPy memory: not in MLX's peak
+    # NumPy memory (the screen, an int8 drafter's copies): not in MLX's peak.
+    extra_bytes = (head.nbytes if head is not None else 0) + getattr(propose, "nbytes", 0)
     mx.reset_peak_memory()
 
     tic = time.perf_counter()
@@ -494,5 +495,6 @@ def stream_generate(
         beam_length,
         top_k=draft_top_k,
         with_scores=budget is not None,
+        int8=True,
     )
     return stream_redrafter(llm, propose, prompt, budget=budget, lookup=lookup, **kwargs)
