@@ -142,7 +142,10 @@ def consume(name: str, index: int, stream: Iterator[StepOutput]) -> RunResult:
         steps.append(out.stats)
     steps = steps[1:]  # step 0 is the prompt
     profiled = [s.phases for s in steps if s.phases]
-    phase_ms = {k: 1000 * statistics.mean(p[k] for p in profiled) for k in (profiled or [{}])[0]}
+    # Per step: a phase that only some steps have (the draft, skipped on lookup steps at W=1)
+    # counts 0 on the others.
+    names = sorted({k for p in profiled for k in p}, key=_phase_order)
+    phase_ms = {k: 1000 * sum(p.get(k, 0.0) for p in profiled) / len(profiled) for k in names}
     return RunResult(
         name=name,
         prompt_index=index,
@@ -161,6 +164,13 @@ def consume(name: str, index: int, stream: Iterator[StepOutput]) -> RunResult:
 
 
 Runner = Callable[[list[int]], Iterator[StepOutput]]
+
+#: The phases of a step, in the order the engine's profile describes them (others after).
+PHASES = ("tree", "verify", "accept", "draft", "commit")
+
+
+def _phase_order(name: str) -> tuple[int, str]:
+    return (PHASES.index(name) if name in PHASES else len(PHASES), name)
 
 
 def compare(
@@ -216,7 +226,8 @@ def summarize(results: list[RunResult], baseline: str) -> dict[str, dict]:
             "step_ms": statistics.median(r.step_ms for r in rs),
             "tree_tokens": statistics.median(r.tree_tokens for r in rs),
             "phase_ms": {
-                k: statistics.median(r.phase_ms[k] for r in rs) for k in (rs[0].phase_ms or {})
+                k: statistics.median(r.phase_ms.get(k, 0.0) for r in rs)
+                for k in sorted({k for r in rs for k in r.phase_ms}, key=_phase_order)
             },
             "prompts": len(rs),
         }

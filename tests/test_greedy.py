@@ -332,3 +332,22 @@ def test_solo_lookup_skips_the_drafter():
     # The first draft is made with the prompt; later ones only where the lookup missed.
     assert len(calls) == 1 + sum(not s.looked_up for s in steps[1:])
     assert all(s.tree_size <= L for s in steps)
+
+
+def test_profile_means_count_a_skipped_phase_as_zero():
+    """In solo mode the draft runs on some steps only: its mean per step counts the rest as 0,
+    and the phases keep the profile's order."""
+    from redrafter_mlx.benchmark import consume
+    from redrafter_mlx.generate import GenerationSummary, StepOutput, StepStats
+
+    summary = GenerationSummary(generation_tokens=3, steps=2, generation_time=1.0)
+    times = {"tree": 0.001, "verify": 0.010, "accept": 0.001, "commit": 0.001}
+    outs = [
+        StepOutput([1], StepStats(1, 0, 0, 0.1), summary),  # the prompt
+        StepOutput([2], StepStats(1, 0, 3, 0.1, phases=dict(times)), summary),
+        StepOutput([3], StepStats(1, 0, 3, 0.1, phases={"draft": 0.004, **times}), summary),
+    ]
+    result = consume("solo", 0, iter(outs))
+    assert list(result.phase_ms) == ["tree", "verify", "accept", "draft", "commit"]
+    assert result.phase_ms["draft"] == pytest.approx(2.0)
+    assert result.phase_ms["verify"] == pytest.approx(10.0)
