@@ -72,7 +72,7 @@ class Int8OneBeam:
         length: int,
         layers: dict[str, Int8Linear],
     ):
-        self.drafter, self.embed, self.length, self.layers = drafter, embed, length, layers
+        self.embed, self.length, self.layers = embed, length, layers
         vocab = drafter.config.draft_vocab
         self.vocab = np.array(vocab, dtype=np.int32) if vocab is not None else None
         self.blocks = [layers[f"lm_head.{i}"] for i in range(drafter.config.num_draft_layers)]
