@@ -211,6 +211,25 @@ def _ptr(a):  # a C-contiguous NumPy array's data pointer
     return a.ctypes.data
 
 
+def int16_limit(k: int) -> int:
+    """The largest ``|x16|`` :func:`head_screen` takes for dot products of length k: its int32
+    sums of int16 x int8 products stay below 2^31."""
+    return min(2**14 - 1, (2**31 - 1) // (127 * k))
+
+
+def int16_rows(x):
+    """x [M, K] (float32 or float64) rounded to int16 with one float32 scale per row, for
+    :func:`head_screen`: (x16 [M, K] int16, scale [M]), x ~ scale * x16 and ``|x16| <=
+    int16_limit(K)``; an all-zero row gets scale 1. Non-finite rows give meaningless values."""
+    import numpy as np
+
+    with np.errstate(invalid="ignore", divide="ignore"):
+        scale = (np.abs(x).max(axis=1) / int16_limit(x.shape[1])).astype(np.float32)
+        scale[scale == 0] = 1.0
+        x16 = np.rint(x / scale[:, None]).astype(np.int16)
+    return x16, scale
+
+
 def head_screen(x16, x_scale, q, scale):
     """``(x16 @ q.T) * scale * x_scale[:, None]``, summed exactly in int32, on the kernel's threads.
 
