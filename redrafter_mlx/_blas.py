@@ -160,6 +160,8 @@ def _load_gemm() -> None:
     _gemm_lib.redrafter_head_exact.argtypes = [ctypes.c_int] * 2 + [ptr] * 3 + [ctypes.c_int, ptr]
     _gemm_lib.redrafter_head_exact.restype = None
     _gemm_lib.redrafter_head_quantize.argtypes = [ctypes.c_int] * 2 + [ptr] * 4
+    _gemm_lib.redrafter_swiglu.argtypes = [ctypes.c_long, ptr, ptr, ptr]
+    _gemm_lib.redrafter_swiglu.restype = ctypes.c_int
 
 
 def _env_int(name: str, default: int) -> int:
@@ -267,6 +269,18 @@ def head_exact(x, w, cols):
     out = np.empty((m, len(cols)), np.float32)
     _gemm_lib.redrafter_head_exact(m, k, _ptr(x), _ptr(w), _ptr(cols), len(cols), _ptr(out))
     return out
+
+
+def swiglu(g, u):
+    """``silu(g) * u`` with the operations MLX's CPU backend uses (see ``_skinny_gemm.c``), for
+    C-contiguous float32 NumPy arrays of one shape; None where the kernel library is not
+    loaded or the CPU lacks AVX2 and FMA."""
+    import numpy as np
+
+    if _gemm_lib is None:
+        return None
+    out = np.empty_like(g)
+    return out if _gemm_lib.redrafter_swiglu(g.size, _ptr(g), _ptr(u), _ptr(out)) else None
 
 
 def load_blas() -> str:

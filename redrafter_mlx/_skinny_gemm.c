@@ -467,6 +467,74 @@ int redrafter_gemm_init(int rows, int threads) {
     return enabled;
 }
 
+/*
+ * silu(g) * u, the MLP activation of Llama-style models, with the very operations MLX's CPU
+ * backend uses (mlx/backend/cpu/simd/math.h exp, unary_ops.h Sigmoid, run one float at a time
+ * there): bit-identical to mlx-lm's compiled swiglu, 8 floats at a time. No contraction: MLX's
+ * JIT compiles for baseline x86-64, where 1 + a * b stays two roundings.
+ */
+#if defined(__x86_64__)
+__attribute__((target("avx2,fma"), optimize("fp-contract=off"))) static inline __m256
+mlx_exp8(__m256 x0) {
+    __m256 x = _mm256_mul_ps(x0, _mm256_set1_ps(1.442695f));
+    /* floor(x + 0.5) as MLX computes it (in double, so exactly): floor(x) + (frac(x) >= 0.5) */
+    __m256 fl = _mm256_floor_ps(x);
+    __m256 ipart = _mm256_add_ps(
+        fl, _mm256_and_ps(_mm256_cmp_ps(_mm256_sub_ps(x, fl), _mm256_set1_ps(0.5f), _CMP_GE_OQ),
+                          _mm256_set1_ps(1.0f)));
+    __m256 fpart = _mm256_sub_ps(x, ipart);
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(1.000000000000000f));
+    __m256i e = _mm256_add_epi32(_mm256_cvttps_epi32(ipart), _mm256_set1_epi32(127));
+    e = _mm256_slli_epi32(e, 23);
+    __m256 r = _mm256_mul_ps(_mm256_castsi256_ps(e), p);
+    r = _mm256_blendv_ps(r, x0, _mm256_cmp_ps(x0, x0, _CMP_UNORD_Q));
+    __m256 over = _mm256_cmp_ps(x0, _mm256_set1_ps(88.0f), _CMP_GT_OQ);
+    __m256 under = _mm256_cmp_ps(x0, _mm256_set1_ps(-88.0f), _CMP_LT_OQ);
+    r = _mm256_blendv_ps(r, _mm256_set1_ps(INFINITY), over);
+    r = _mm256_blendv_ps(r, _mm256_setzero_ps(), under);
+    return r;
+}
+
+__attribute__((target("avx2,fma"), optimize("fp-contract=off"))) static inline __m256
+mlx_swiglu8(__m256 g, __m256 u) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), g);
+    __m256 y = _mm256_div_ps(one, _mm256_add_ps(one, mlx_exp8(a)));
+    __m256 negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+    __m256 s = _mm256_blendv_ps(_mm256_sub_ps(one, y), y, negative); /* sigmoid(g) */
+    return _mm256_mul_ps(_mm256_mul_ps(g, s), u);
+}
+
+/* out[i] = silu(g[i]) * u[i] for i < n (out may be g or u). Returns 0 where it does not run. */
+__attribute__((target("avx2,fma"))) int redrafter_swiglu(long n, const float *g, const float *u,
+                                                         float *out) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0;
+    long i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, mlx_swiglu8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+    if (i < n) { /* the tail through one padded vector */
+        float gt[8] = {0}, ut[8] = {0}, ot[8];
+        memcpy(gt, g + i, (n - i) * sizeof(float));
+        memcpy(ut, u + i, (n - i) * sizeof(float));
+        _mm256_storeu_ps(ot, mlx_swiglu8(_mm256_loadu_ps(gt), _mm256_loadu_ps(ut)));
+        memcpy(out + i, ot, (n - i) * sizeof(float));
+    }
+    return 1;
+}
+#else
+int redrafter_swiglu(long n, const float *g, const float *u, float *out) {
+    (void)n, (void)g, (void)u, (void)out;
+    return 0;
+}
+#endif
+
 /* Changes whenever the kernel's arithmetic or speed does: stored tunes (step costs) name it. */
 int redrafter_gemm_version(void) { return 4; }
 

@@ -10,7 +10,10 @@ Three small interventions, no forked model files:
 - the model module's ``scaled_dot_product_attention`` (mlx-lm's shared helper, which every
   attention calls with its cache) is wrapped so that attention over a tree or a short chain in
   one of our caches runs :func:`~redrafter_mlx.tree_attention.attend`; every other call passes
-  through unchanged.
+  through unchanged;
+- the model module's ``swiglu`` (mlx-lm's MLP activation, where the family uses it) is wrapped
+  so that inside our forwards it runs :func:`~redrafter_mlx.swiglu.host_swiglu`, the same
+  values 8 floats at a time; outside them (mlx-lm's own decoding) it passes through.
 
 The forward returns the hidden states after the final norm; the drafter needs them and the
 logits are one ``lm_head`` away.
@@ -26,6 +29,7 @@ import mlx.nn as nn
 
 from .adapters import FamilyAdapter, adapter_for
 from .kv_cache import WINDOW_SLACK, TreeContext, TreeKVCache
+from .swiglu import host_swiglu, mlx_lm_swiglu
 from .tree_attention import attend
 
 #: Longest run of new tokens whose attention :func:`attend` computes; longer ones (prompt
@@ -76,6 +80,31 @@ def _route_attention(attention: nn.Module) -> None:
         module.scaled_dot_product_attention = _routed_attention(original)
 
 
+#: Forwards of ours in progress (TreeLLM.hidden_states); the swiglu wrapper acts only then.
+_our_forwards = 0
+
+
+def _routed_swiglu(original: Callable) -> Callable:
+    """mlx-lm's ``swiglu``, computed by :func:`host_swiglu` inside our forwards."""
+
+    def swiglu(gate, x):
+        if _our_forwards:
+            out = host_swiglu(gate, x)
+            if out is not None:
+                return out
+        return original(gate, x)
+
+    swiglu.redrafter_original = original
+    return swiglu
+
+
+def _route_swiglu(layer: nn.Module) -> None:
+    mlp = getattr(layer, "mlp", None)
+    module = sys.modules[type(mlp).__module__] if mlp is not None else None
+    if module is not None and getattr(module, "swiglu", None) is mlx_lm_swiglu:
+        module.swiglu = _routed_swiglu(mlx_lm_swiglu)
+
+
 class TreeLLM:
     """Wraps an mlx-lm model (patched in place, behaviour unchanged outside tree forwards)."""
 
@@ -90,6 +119,8 @@ class TreeLLM:
             for attn in self.adapter.attention_modules(model):
                 attn.rope = TreeRoPE(attn.rope, self.context)
                 _route_attention(attn)
+            for layer in model.layers:
+                _route_swiglu(layer)
             model._redrafter_context = self.context
         self.windows = self.adapter.layer_windows(model)
         self.embed_tokens = self.adapter.embed_tokens(model)
@@ -114,12 +145,15 @@ class TreeLLM:
         [N] per-token positions for a tree whose [N, N] ``ancestors`` mask is given.
         Returns [N, H].
         """
+        global _our_forwards
         ctx = self.context
         ctx.positions, ctx.ancestors = positions, ancestors
+        _our_forwards += 1
         try:
             h = self.adapter.hidden_states(self.model, tokens[None], cache)
         finally:
             ctx.positions = ctx.ancestors = None
+            _our_forwards -= 1
         if ancestors is None:
             for c in cache:
                 c.drop_outside_window()
