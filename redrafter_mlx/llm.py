@@ -94,7 +94,6 @@ def _routed_swiglu(original: Callable) -> Callable:
                 return out
         return original(gate, x)
 
-    swiglu.redrafter_original = original
     return swiglu
 
 
