@@ -43,9 +43,11 @@ def put(model_dir: str | Path, key: str, value: Any) -> None:
 
 
 def tuned_for(drafter_dir: str | Path) -> dict[str, str]:
-    """What a stored tune was measured with: the drafter (folder and weights) and the BLAS
-    (with the few-row GEMM kernel on or off)."""
+    """What a stored tune was measured with: the drafter (folder and weights), the BLAS (with
+    the few-row GEMM kernel on or off) and the CPU (a settings file can outlive the machine
+    under it: a virtual machine's home folder moved to another host, say)."""
     from . import _blas
+    from .benchmark import machine_info
 
     folder = Path(drafter_dir).resolve()
     digest = hashlib.sha256()
@@ -57,14 +59,15 @@ def tuned_for(drafter_dir: str | Path) -> dict[str, str]:
         "drafter": str(folder),
         "drafter_sha256": digest.hexdigest()[:16],
         "blas": _blas.summary(),  # the few-row kernel too: it changes the step cost
+        "chip": machine_info()["chip"],
     }
 
 
 def tuned_beam(model_dir: str | Path, drafter_dir: str | Path | None) -> tuple[dict, str | None]:
-    """`tune`'s stored shape for this model if it was measured with this drafter and BLAS.
+    """`tune`'s stored shape for this model if it was measured with this drafter, BLAS and CPU.
 
     Returns (beam, None), or ({}, why) when a stored tune does not apply here: its width,
-    length and step cost were the fastest for another drafter or BLAS.
+    length and step cost were the fastest for another drafter, BLAS or CPU.
     """
     beam = get(model_dir, "beam") or {}
     if not beam or drafter_dir is None:
@@ -76,7 +79,10 @@ def tuned_beam(model_dir: str | Path, drafter_dir: str | Path | None) -> tuple[d
     if stale and any(k not in beam for k in now):
         return {}, "the shape `redrafter tune` stored was measured by an earlier version"
     if stale:
-        what = {"drafter_sha256": "other drafter weights"}
+        what = {
+            "drafter_sha256": "other drafter weights",
+            "chip": f"another CPU, {beam.get('chip')!r} (now {now['chip']!r})",
+        }
         why = what.get(stale[0], f"BLAS {beam.get('blas')!r} (now {now['blas']!r})")
         return {}, f"the shape `redrafter tune` stored was measured with {why}"
     return beam, None

@@ -534,14 +534,15 @@ def test_float16_drafter_computes_in_the_llms_dtype(tiny_llm_dir, tmp_path):
         assert mx.array_equal(w, stored[name].astype(mx.float32)), name
 
 
-def test_a_stored_tune_holds_only_for_its_drafter_weights_and_blas(
+def test_a_stored_tune_holds_only_for_its_drafter_weights_blas_and_cpu(
     tiny_llm_dir, random_drafter_dir, tmp_path, monkeypatch, capsys
 ):
-    """Another drafter's weights in the same folder, or another BLAS, make tune's shape, step
-    cost and calibration meaningless: they are ignored, and the user is told to re-tune."""
+    """Another drafter's weights in the same folder, another BLAS or another CPU make tune's
+    shape, step cost and calibration meaningless: they are ignored, and the user is told to
+    re-tune."""
     import shutil
 
-    from redrafter_mlx import _blas, settings
+    from redrafter_mlx import _blas, benchmark, settings
 
     from redrafter_cli.common import defaults
 
@@ -564,6 +565,12 @@ def test_a_stored_tune_holds_only_for_its_drafter_weights_and_blas(
         tuned, why = settings.tuned_beam(tiny_llm_dir, drafter_dir)
         assert tuned == {} and "few-row gemm off" in why
         monkeypatch.setattr(_blas, "gemm", "on")
+    info = benchmark.machine_info()
+    monkeypatch.setattr(benchmark, "machine_info", lambda: info | {"chip": "Other CPU (AVX2)"})
+    tuned, why = settings.tuned_beam(tiny_llm_dir, drafter_dir)
+    assert tuned == {} and "another CPU" in why and "Other CPU (AVX2)" in why
+    monkeypatch.setattr(benchmark, "machine_info", lambda: info)
+    assert settings.tuned_beam(tiny_llm_dir, drafter_dir)[0]["width"] == 2
 
     weights = drafter_dir / "model.safetensors"
     weights.write_bytes(weights.read_bytes() + b" ")  # retrained in place
@@ -573,6 +580,25 @@ def test_a_stored_tune_holds_only_for_its_drafter_weights_and_blas(
     assert defaults(tiny_llm_dir, drafter_dir, None, None, None) == (4, 5)  # the fallback
     assert "run `redrafter tune` again" in capsys.readouterr().err
     assert defaults(tiny_llm_dir, drafter_dir, None, 1, 3) == (1, 3)  # flags win
+
+
+def test_the_machine_description_tells_cpu_generations_apart():
+    """A VM's "AMD EPYC" was a Zen 1 one day and a Zen 4 the next (ratios 20% apart): the
+    family, model and vector extension go with the name; only the first CPU's block counts."""
+    from redrafter_mlx.benchmark import linux_chip
+
+    def block(family: str, model: str, flags: str) -> str:
+        return (
+            f"processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: {family}\n"
+            f"model\t\t: {model}\nmodel name\t: AMD EPYC\nflags\t\t: fpu {flags} sse\n"
+        )
+
+    zen1, zen4 = block("23", "1", "avx2 fma"), block("25", "17", "avx2 avx512f avx512bw")
+    assert linux_chip(zen1) == "AMD EPYC (family 23, model 1; AVX2)"
+    assert linux_chip(zen4) == "AMD EPYC (family 25, model 17; AVX-512)"
+    assert linux_chip(zen1 + "\n" + zen4) == linux_chip(zen1)
+    assert linux_chip("processor\t: 0\nmodel name\t: Some CPU\n") == "Some CPU"
+    assert linux_chip("processor\t: 0\nCPU implementer\t: 0x41\n") is None  # aarch64
 
 
 def test_chat_and_generate_prune_as_tune_found(
