@@ -26,7 +26,9 @@ n = 64 765 and 751 ms (so the default stops at 32).
 ``REDRAFTER_BLAS`` picks: ``auto`` (default: MKL when its wheel is installed, else
 OpenBLAS), ``mkl`` or ``openblas``. ``REDRAFTER_OPENBLAS=/path/to/libopenblas.so`` names an
 OpenBLAS file; ``REDRAFTER_NO_OPENBLAS=1`` loads nothing (neither BLAS nor kernel);
-``REDRAFTER_GEMM_THREADS`` sets the kernel's threads (default: one per core, at most 8). This
+``REDRAFTER_GEMM_THREADS`` sets the kernel's threads (default: one per core, at most 8) and
+``REDRAFTER_GEMM_PREFETCH`` how far ahead (floats) it prefetches each weight stream (default
+512; 0: off; :func:`gemm_prefetch` changes it in a running process). This
 module must not import mlx. It is a no-op on macOS (MLX uses Accelerate/Metal there).
 """
 
@@ -160,6 +162,8 @@ def _load_gemm() -> None:
     _gemm_lib.redrafter_head_exact.argtypes = [ctypes.c_int] * 2 + [ptr] * 3 + [ctypes.c_int, ptr]
     _gemm_lib.redrafter_head_exact.restype = None
     _gemm_lib.redrafter_head_quantize.argtypes = [ctypes.c_int] * 2 + [ptr] * 4
+    _gemm_lib.redrafter_gemm_prefetch.argtypes = [ctypes.c_long]
+    _gemm_lib.redrafter_gemm_prefetch.restype = ctypes.c_long
     _gemm_lib.redrafter_swiglu.argtypes = [ctypes.c_long, ptr, ptr, ptr]
     _gemm_lib.redrafter_swiglu.restype = ctypes.c_int
 
@@ -180,6 +184,8 @@ def _start_gemm() -> None:
         return
     rows = _env_int("REDRAFTER_GEMM_ROWS", 32)
     threads = _env_int("REDRAFTER_GEMM_THREADS", 0)
+    if "REDRAFTER_GEMM_PREFETCH" in os.environ:
+        _gemm_lib.redrafter_gemm_prefetch(max(0, _env_int("REDRAFTER_GEMM_PREFETCH", 512)))
     if rows <= 0:
         gemm = "off"
     elif _gemm_lib.redrafter_gemm_init(rows, threads):
@@ -201,6 +207,14 @@ def serial_products() -> int:
     if _gemm_lib is None:
         return 0
     return int(_gemm_lib.redrafter_gemm_serial())
+
+
+def gemm_prefetch(floats: int | None = None) -> int | None:
+    """The kernel's prefetch distance in floats (0: off), after setting it to ``floats`` when
+    given; None where the kernel is not loaded. Results do not depend on it, only timings."""
+    if _gemm_lib is None:
+        return None
+    return int(_gemm_lib.redrafter_gemm_prefetch(-1 if floats is None else max(0, floats)))
 
 
 def kernel_takes(rows: int, n: int, k: int) -> bool:

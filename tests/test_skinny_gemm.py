@@ -53,6 +53,41 @@ def test_products_match_a_float64_reference(m, n, k, transposed, bias, seed):
     close(got, want, k)
 
 
+def test_the_weight_prefetch_changes_no_result():
+    """Any distance, none, or one far past the weights (a prefetch never faults) gives the same
+    bits, on the one-row-at-a-time path and the 4-row blocks (a long K)."""
+    rng = np.random.default_rng(2)
+    default = _blas.gemm_prefetch()
+    try:
+        for m, n, k in [(1, 4103, 896), (3, 4103, 903), (2, 901, 4864), (8, 517, 896)]:
+            x = mx.array(rng.standard_normal((m, k), dtype=np.float32))
+            w = mx.array(rng.standard_normal((n, k), dtype=np.float32))
+            outs = []
+            for floats in (0, 16, default, 1 << 20):
+                assert _blas.gemm_prefetch(floats) == floats
+                outs.append(np.array(x @ w.T))
+            for out in outs[1:]:
+                assert np.array_equal(out, outs[0]), (m, n, k)
+            close(mx.array(outs[0]), reference(np.array(x), np.array(w).T), k)
+    finally:
+        _blas.gemm_prefetch(default)
+    assert _blas.gemm_prefetch() == default == 512
+
+
+def test_the_prefetch_distance_comes_from_the_environment():
+    r = run(
+        "import redrafter_mlx, redrafter_mlx._blas as b; print(b.gemm_prefetch())",
+        REDRAFTER_GEMM_PREFETCH="0",
+    )
+    assert r.stdout.strip() == "0", r.stdout + r.stderr
+    r = run(
+        "import redrafter_mlx, redrafter_mlx._blas as b; print(b.gemm_prefetch())",
+        REDRAFTER_GEMM_PREFETCH="far",
+    )
+    assert r.stdout.strip() == "512"
+    assert "REDRAFTER_GEMM_PREFETCH='far' is not an integer; using 512" in r.stderr
+
+
 def test_large_products_use_the_pool_and_stay_correct():
     rng = np.random.default_rng(0)
     for m, n, k in [
