@@ -132,12 +132,12 @@ KERNEL static inline v8 load8(const float *p) { return *(const v8u *)p; }
 
 /* Floats ahead of the current one at which each weight stream is prefetched, one cache line per
  * 16 floats, without temporal locality (every weight is read once per forward);
- * REDRAFTER_GEMM_PREFETCH sets it (redrafter_mlx/_blas.py), 0 turns it off. On the 2-core Zen 1 EPYC (no AVX-512) the
- * hardware prefetcher alone left the cores' arithmetic unhidden behind the weight stream: each
- * activation row added its multiply-adds' time to the stream's. With 512 floats (2 KB) a
- * forward of Qwen2.5-0.5B plus its LM head took 16% less at n = 1 and 17.5% less at n = 3
- * (python bench/prefetch.py: 15 of 15 rounds each; 256-2048 floats all gave 7-20%). Only
- * timings depend on it: a prefetch never faults, so it may point past the weights. */
+ * REDRAFTER_GEMM_PREFETCH sets it (redrafter_mlx/_blas.py), 0 turns it off. On the 2-core Zen 1
+ * EPYC (no AVX-512) the hardware prefetcher alone left the cores' arithmetic unhidden behind the
+ * weight stream: each activation row added its multiply-adds' time to the stream's. With 512
+ * floats (2 KB) a forward of Qwen2.5-0.5B plus its LM head took 16% less at n = 1 and 17.5% less
+ * at n = 3 (python bench/prefetch.py: 15 of 15 rounds each; 256-2048 floats all gave 7-20%).
+ * Only timings depend on it: a prefetch never faults, so it may point past the weights. */
 static long prefetch_floats = 512;
 
 KERNEL static inline void prefetch(const float *p, int k) {
@@ -552,7 +552,8 @@ int redrafter_swiglu(long n, const float *g, const float *u, float *out) {
 #endif
 
 /* Changes whenever the kernel's arithmetic or speed does: stored tunes (step costs) name it.
- * 5: our forwards take their MLP activation from redrafter_swiglu (cheaper trees). */
+ * 5: our forwards take their MLP activation from redrafter_swiglu (cheaper trees).
+ * 6: each weight stream is prefetched (faster at every row count, most at 2-3 rows). */
 int redrafter_gemm_version(void) { return 6; }
 
 /* The prefetch distance in floats: sets it when floats >= 0 (0: off), returns the one in force. */
