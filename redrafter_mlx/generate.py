@@ -40,7 +40,7 @@ from .drafter import Drafter
 from .greedy_head import GreedyHead
 from .kv_cache import TreeKVCache
 from .llm import TreeLLM
-from .loading import check_compatible
+from .loading import check_compatible, match_dtype
 from .prompt_lookup import DEFAULT_MIN_NGRAM, LONGEST_NGRAM, PromptLookup
 from .tree_attention import pack_beams
 from .tree_budget import TreeBudget, measure_step_cost
@@ -462,6 +462,7 @@ def step_cost(model: nn.Module, drafter: Drafter, beam_width: int, beam_length: 
     """Seconds of a step verifying 1 .. 1 + W (L - 1) tokens, measured here, on the stream
     generation runs on: the ``step_cost`` of a :class:`~redrafter_mlx.tree_budget.TreeBudget`."""
     check_compatible(drafter, model)
+    match_dtype(drafter, model)  # the dtype generation drafts in (see stream_generate)
     llm = TreeLLM(model)
     propose = make_proposer(drafter, llm.embed, beam_width, beam_length, with_scores=True)
     head = GreedyHead.for_model(model)
@@ -485,8 +486,11 @@ def stream_generate(
     with prompt lookup on by default (``lookup=0`` turns it off).
 
     A ``budget`` may be shared by many calls (a chat session): its calibration carries over.
+    The drafter is cast to the LLM's dtype in place, as :func:`~redrafter_mlx.loading.load`
+    does (``Drafter.from_pretrained`` alone keeps a shipped drafter's float16).
     """
     check_compatible(drafter, model)
+    match_dtype(drafter, model)
     llm = TreeLLM(model)
     propose = make_proposer(
         drafter,

@@ -8,7 +8,7 @@ import redrafter_mlx  # noqa: F401  (first: loads the kernel and the BLAS)
 from redrafter_mlx import _blas
 from redrafter_mlx.beam_search import beam_search, make_proposer
 from redrafter_mlx.drafter_int8 import Int8Linear, Int8OneBeam
-from redrafter_mlx.generate import stream_autoregressive, stream_redrafter
+from redrafter_mlx.generate import stream_autoregressive, stream_generate, stream_redrafter
 from redrafter_mlx.llm import TreeLLM
 
 import mlx.core as mx
@@ -119,3 +119,26 @@ def test_engine_with_int8_drafts_equals_mlx_lm(family, lookup):
         assert [t for o in outs for t in o.tokens] == want
         accepted += sum(o.stats.accepted for o in outs)
     assert accepted > 0  # drafts were accepted: the test exercises them
+
+
+def test_a_float16_drafter_drafts_in_the_llms_dtype(monkeypatch):
+    """Drafter.from_pretrained keeps a shipped drafter's float16; beside a float32 LLM,
+    stream_generate casts it (as load does), so the int8 one-beam drafts apply instead of a
+    float16 search, which the CPU runs several times slower. Same tokens as mlx-lm."""
+    model = tiny_llm("qwen2", vocab_size=64, hidden_size=128, seed=3)
+    drafter = repeating_drafter(model, seed=5)
+    drafter.set_dtype(mx.float16)
+    built = []
+    real = Int8OneBeam.for_drafter.__func__
+
+    def spy(cls, *a, **kw):
+        built.append(real(cls, *a, **kw))
+        return built[-1]
+
+    monkeypatch.setattr(Int8OneBeam, "for_drafter", classmethod(spy))
+    prompt = [3, 9, 27, 17, 51]
+    want = [t for o in stream_autoregressive(model, prompt, max_tokens=24) for t in o.tokens]
+    outs = stream_generate(model, drafter, prompt, beam_width=1, beam_length=3, max_tokens=24)
+    assert [t for o in outs for t in o.tokens] == want
+    assert drafter.dtype == mx.float32
+    assert built and isinstance(built[0], Int8OneBeam)
