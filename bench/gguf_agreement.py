@@ -94,11 +94,12 @@ def machine_info() -> dict[str, Any]:
     if Path("/proc/meminfo").exists():
         mem = Path("/proc/meminfo").read_text().splitlines()[0].split(":")[1].strip()
     import redrafter_mlx._blas as blas
+    from redrafter_mlx.benchmark import chip
 
     return {
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "cpu": _cpu_name(),
+        "cpu": chip(),
         "cpu_count": os.cpu_count(),
         "memory": mem,
         "python": platform.python_version(),
@@ -110,15 +111,6 @@ def machine_info() -> dict[str, Any]:
         "tokenizers": tokenizers.__version__,
         "openblas": blas.status,
     }
-
-
-def _cpu_name() -> str:
-    path = Path("/proc/cpuinfo")
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def source_text(name: str) -> str:

@@ -52,20 +52,25 @@ def linux_chip(cpuinfo: str) -> str | None:
     return f"{name} ({tail})" if tail else name
 
 
-def machine_info() -> dict:
-    """What the numbers were measured on."""
-    chip = platform.processor() or platform.machine()
+def chip() -> str:
+    """This machine's CPU: the brand string on macOS, :func:`linux_chip` on Linux."""
+    name = platform.processor() or platform.machine()
     if sys.platform == "darwin":
         with contextlib.suppress(OSError):
-            chip = (
+            name = (
                 subprocess.run(
                     ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True
                 ).stdout.strip()
-                or chip
+                or name
             )
     elif sys.platform.startswith("linux"):
         with contextlib.suppress(OSError):
-            chip = linux_chip(Path("/proc/cpuinfo").read_text()) or chip
+            name = linux_chip(Path("/proc/cpuinfo").read_text()) or name
+    return name
+
+
+def machine_info() -> dict:
+    """What the numbers were measured on."""
 
     def version(pkg: str) -> str | None:
         try:
@@ -75,7 +80,7 @@ def machine_info() -> dict:
 
     return {
         "platform": platform.platform(),
-        "chip": chip,
+        "chip": chip(),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "mlx": version("mlx"),

@@ -47,7 +47,7 @@ def tuned_for(drafter_dir: str | Path) -> dict[str, str]:
     the few-row GEMM kernel on or off) and the CPU (a settings file can outlive the machine
     under it: a virtual machine's home folder moved to another host, say)."""
     from . import _blas
-    from .benchmark import machine_info
+    from .benchmark import chip
 
     folder = Path(drafter_dir).resolve()
     digest = hashlib.sha256()
@@ -59,7 +59,7 @@ def tuned_for(drafter_dir: str | Path) -> dict[str, str]:
         "drafter": str(folder),
         "drafter_sha256": digest.hexdigest()[:16],
         "blas": _blas.summary(),  # the few-row kernel too: it changes the step cost
-        "chip": machine_info()["chip"],
+        "chip": chip(),
     }
 
 

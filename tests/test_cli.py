@@ -565,11 +565,11 @@ def test_a_stored_tune_holds_only_for_its_drafter_weights_blas_and_cpu(
         tuned, why = settings.tuned_beam(tiny_llm_dir, drafter_dir)
         assert tuned == {} and "few-row gemm off" in why
         monkeypatch.setattr(_blas, "gemm", "on")
-    info = benchmark.machine_info()
-    monkeypatch.setattr(benchmark, "machine_info", lambda: info | {"chip": "Other CPU (AVX2)"})
+    here = benchmark.chip()
+    monkeypatch.setattr(benchmark, "chip", lambda: "Other CPU (AVX2)")
     tuned, why = settings.tuned_beam(tiny_llm_dir, drafter_dir)
     assert tuned == {} and "another CPU" in why and "Other CPU (AVX2)" in why
-    monkeypatch.setattr(benchmark, "machine_info", lambda: info)
+    monkeypatch.setattr(benchmark, "chip", lambda: here)
     assert settings.tuned_beam(tiny_llm_dir, drafter_dir)[0]["width"] == 2
 
     weights = drafter_dir / "model.safetensors"
