@@ -184,8 +184,7 @@ def _start_gemm() -> None:
         return
     rows = _env_int("REDRAFTER_GEMM_ROWS", 32)
     threads = _env_int("REDRAFTER_GEMM_THREADS", 0)
-    if "REDRAFTER_GEMM_PREFETCH" in os.environ:
-        _gemm_lib.redrafter_gemm_prefetch(max(0, _env_int("REDRAFTER_GEMM_PREFETCH", 512)))
+    gemm_prefetch(_env_int("REDRAFTER_GEMM_PREFETCH", gemm_prefetch()))  # default: the kernel's
     if rows <= 0:
         gemm = "off"
     elif _gemm_lib.redrafter_gemm_init(rows, threads):
