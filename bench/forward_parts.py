@@ -27,14 +27,12 @@ import statistics
 import time
 
 import redrafter_mlx  # noqa: F401  (first: loads MKL or OpenBLAS on Linux)
-from redrafter_mlx.benchmark import humaneval_prompts, machine_info, write_json
-from redrafter_mlx.generate import prefill
+from redrafter_mlx.benchmark import chain_hidden, machine_info, primed_cache, write_json
 from redrafter_mlx.llm import TreeLLM
 from redrafter_mlx.loading import load
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.models.activations import swiglu
 
 PARTS = ("forward", "products", "other", "swiglu")
@@ -66,23 +64,15 @@ def main() -> None:
 
     model, tokenizer, _ = load(args.model)
     llm = TreeLLM(model)
-    cache = llm.make_cache()
-    mx.eval(prefill(llm, cache, tokenizer.encode(humaneval_prompts("0-0")[0])))
-    past = cache[0].length
+    cache, past = primed_cache(llm, tokenizer)
     layers = model.model.layers
     linears = [m for layer in layers for _, m in layer.named_modules() if type(m) is nn.Linear]
     mlp_width = max(lin.weight.shape[0] for lin in linears)
     n_layers = len(layers)
 
     def forward(n: int) -> float:
-        ids = mx.array(np.arange(7, 7 + n, dtype=np.int32))
-        pos = mx.array(past + np.arange(n, dtype=np.int32))
-        anc = mx.array(np.tril(np.ones((n, n), dtype=bool)))
         tic = time.perf_counter()
-        if n == 1:  # an autoregressive step's form
-            mx.eval(llm.hidden_states(ids, cache, past))
-        else:
-            mx.eval(llm.hidden_states(ids, cache, pos, ancestors=anc))
+        mx.eval(chain_hidden(llm, cache, past, n))
         dt = time.perf_counter() - tic
         for c in cache:
             c.trim(n)

@@ -18,8 +18,7 @@ import statistics
 import time
 
 import redrafter_mlx  # noqa: F401  (first: loads MKL or OpenBLAS on Linux)
-from redrafter_mlx.benchmark import humaneval_prompts, machine_info, write_json
-from redrafter_mlx.generate import prefill
+from redrafter_mlx.benchmark import machine_info, primed_cache, write_json
 from redrafter_mlx.greedy_head import GreedyHead
 from redrafter_mlx.llm import TreeLLM
 from redrafter_mlx.loading import load
@@ -44,9 +43,7 @@ def main() -> None:
     if head is None:
         raise SystemExit("no screen here: it needs the few-row kernel and a float32 head")
     build_s = time.perf_counter() - tic
-    cache = llm.make_cache()
-    mx.eval(prefill(llm, cache, tokenizer.encode(humaneval_prompts("0-0")[0])))
-    past = cache[0].length
+    cache, past = primed_cache(llm, tokenizer)
     rng = np.random.default_rng(0)
 
     def step(ids: mx.array, mode: str) -> tuple[float, np.ndarray | None]:

@@ -17,8 +17,7 @@ import time
 
 import redrafter_mlx  # noqa: F401  (first: loads MKL or OpenBLAS on Linux)
 from redrafter_mlx import _blas
-from redrafter_mlx.benchmark import humaneval_prompts, machine_info, write_json
-from redrafter_mlx.generate import prefill
+from redrafter_mlx.benchmark import chain_hidden, machine_info, primed_cache, write_json
 from redrafter_mlx.llm import TreeLLM
 from redrafter_mlx.loading import load
 
@@ -41,20 +40,11 @@ def main() -> None:
 
     model, tokenizer, _ = load(args.model)
     llm = TreeLLM(model)
-    cache = llm.make_cache()
-    mx.eval(prefill(llm, cache, tokenizer.encode(humaneval_prompts("0-0")[0])))
-    past = cache[0].length
+    cache, past = primed_cache(llm, tokenizer)
 
     def forward(n: int) -> tuple[float, np.ndarray]:
-        ids = mx.array(np.arange(7, 7 + n, dtype=np.int32))
-        pos = mx.array(past + np.arange(n, dtype=np.int32))
-        anc = mx.array(np.tril(np.ones((n, n), dtype=bool)))
         tic = time.perf_counter()
-        if n == 1:  # an autoregressive step's form
-            hidden = llm.hidden_states(ids, cache, past)
-        else:
-            hidden = llm.hidden_states(ids, cache, pos, ancestors=anc)
-        logits = llm.logits(hidden)
+        logits = llm.logits(chain_hidden(llm, cache, past, n))
         mx.eval(logits)
         dt = time.perf_counter() - tic
         for c in cache:

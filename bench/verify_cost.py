@@ -21,8 +21,7 @@ import statistics
 import time
 
 import redrafter_mlx  # noqa: F401  (first: loads MKL or OpenBLAS on Linux)
-from redrafter_mlx.benchmark import humaneval_prompts, machine_info, write_json
-from redrafter_mlx.generate import prefill
+from redrafter_mlx.benchmark import machine_info, primed_cache, write_json
 from redrafter_mlx.llm import TreeLLM
 from redrafter_mlx.loading import load
 from redrafter_mlx.tree_attention import PackedTree
@@ -59,10 +58,7 @@ def main() -> None:
 
     model, tokenizer, _ = load(args.model)
     llm = TreeLLM(model)
-    prompt = tokenizer.encode(humaneval_prompts("0-0")[0])
-    cache = llm.make_cache()
-    mx.eval(prefill(llm, cache, prompt))
-    past = cache[0].length
+    cache, past = primed_cache(llm, tokenizer)
     rng = np.random.default_rng(0)
 
     def plain(ids: mx.array) -> mx.array:  # mlx-lm's own forward: logits [1, n, V]

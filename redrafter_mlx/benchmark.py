@@ -20,9 +20,12 @@ from importlib import metadata
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from . import _blas
-from .generate import GenerationSummary, StepOutput
+from .generate import GenerationSummary, StepOutput, prefill
+from .kv_cache import TreeKVCache
+from .llm import TreeLLM
 
 
 def linux_chip(cpuinfo: str) -> str | None:
@@ -142,6 +145,25 @@ def humaneval_prompts(spec: str = "0-9") -> list[str]:
     if bad:
         raise ValueError(f"HumanEval has problems 0-{len(problems) - 1}; got {bad[:3]}")
     return [problems[i] for i in indices]
+
+
+def primed_cache(llm: TreeLLM, tokenizer) -> tuple[list[TreeKVCache], int]:
+    """A cache holding HumanEval problem 0's prompt, the context after which the forward
+    benchmarks (``bench/``) time new tokens, and its length."""
+    cache = llm.make_cache()
+    mx.eval(prefill(llm, cache, tokenizer.encode(humaneval_prompts("0-0")[0])))
+    return cache, cache[0].length
+
+
+def chain_hidden(llm: TreeLLM, cache: list[TreeKVCache], past: int, n: int) -> mx.array:
+    """Hidden states [n, H] (lazy) of n new tokens (ids 7, 8, ...) after ``past`` cached ones:
+    an autoregressive step's form at n = 1, a chain tree above. The caller trims them off."""
+    ids = mx.array(np.arange(7, 7 + n, dtype=np.int32))
+    if n == 1:
+        return llm.hidden_states(ids, cache, past)
+    pos = mx.array(past + np.arange(n, dtype=np.int32))
+    anc = mx.array(np.tril(np.ones((n, n), dtype=bool)))
+    return llm.hidden_states(ids, cache, pos, ancestors=anc)
 
 
 @dataclass
