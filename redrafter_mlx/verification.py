@@ -24,6 +24,7 @@ deterministic proposal needs no correction.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -166,44 +167,76 @@ def greedy_targets(logits: mx.array) -> tuple[mx.array, mx.array]:
     return top.astype(mx.int32), unsure
 
 
-#: Candidate screens of :func:`host_nucleus`, as ``exp(logit - max)`` floors: the nucleus is looked
-#: for among the tokens at least this likely relative to the likeliest, then the next floor.
-NUCLEUS_FLOORS = (1e-4, 1e-9)
 #: Relative margin within which :func:`host_nucleus` leaves a decision to mlx-lm's float32
 #: arithmetic: log-probabilities there (|x| < 16) round by less than 2e-6, masses by less.
 ROUNDING_MARGIN = 1e-4
+#: :func:`host_nucleus` looks for the top-p set among the tokens at least this likely relative to
+#: the likeliest (``exp(logit - max)``). A set reaching further is always left to MLX anyway: the
+#: candidates' mass, at least the likeliest's 1, is then below the target, so the margin's band
+#: around the target (2 * ROUNDING_MARGIN * target > 2e-4) is wider than the last kept token's
+#: step of the running mass (< NUCLEUS_FLOOR), and one of the masses beside the edge lies in it.
+NUCLEUS_FLOOR = 1e-4
+
+
+def nucleus_among(e: np.ndarray, lo: float, hi: float, outside: float = 0.0) -> np.ndarray | None:
+    """mlx-lm's top-p rule on candidate tokens: which of them it keeps, likeliest first.
+
+    e: [k] float32 ``exp(logit - row max)`` of the candidates; lo <= hi: bounds on ``top_p``
+    times the row's total mass (``e`` summed over every token of the vocabulary); outside: an
+    upper bound on ``e`` of every token that is not a candidate (0: all tokens are), below the
+    likeliest candidate's. Token j (likeliest first) is kept while the mass above it is below
+    ``top_p`` times the total, with every token at least as likely as the last one kept.
+
+    Returns indices into ``e`` (likeliest first, equals by index); an empty array where the
+    set may reach past the candidates (every one of them kept, and their mass below the
+    target's upper bound); None where float32 rounding
+    could decide it (mlx-lm decides in float32 log-probabilities, where tokens closer than a
+    rounding error tie: a token that close to the set's edge, or a mass that close to the
+    target) or where the target's bounds are too far apart to decide it.
+    """
+    probs = e.astype(np.float64)
+    order = np.argsort(-probs, kind="stable")
+    probs = probs[order]
+    # [k + 1]: the mass above each candidate, then above the likeliest token outside them
+    mass_above = np.concatenate([[0.0], np.cumsum(probs)])
+    n_kept = int((mass_above[:-1] < hi).sum())  # >= 1: the likeliest token
+    if n_kept == len(probs) and outside > 0 and mass_above[-1] < hi:
+        return order[:0]
+    last = probs[n_kept - 1]
+    near = lo - mass_above[n_kept - 1] < ROUNDING_MARGIN * lo
+    if n_kept < len(probs) or outside > 0:
+        near |= mass_above[n_kept] - hi < ROUNDING_MARGIN * hi
+    near |= bool(np.any((probs < last) & (probs >= last * (1 - ROUNDING_MARGIN))))
+    near |= outside >= last * (1 - ROUNDING_MARGIN)
+    return None if near else order[probs >= last]
 
 
 def host_nucleus(row: np.ndarray, top_p: float) -> np.ndarray | None:
-    """mlx-lm's top-p set of one row of logits [V] (float32, NumPy): the kept token ids, or None
-    where float32 rounding could decide it (then use :func:`sample_rows`).
+    """mlx-lm's top-p set of one row of logits [V] (float32, NumPy): the kept token ids
+    (likeliest first), or None where float32 rounding could decide it (then use
+    :func:`sample_rows`).
 
     The rule of :func:`nucleus`, in NumPy: MLX's CPU ``exp`` is scalar (~2 ms for 152k logits,
     and top-p needs the total mass) where NumPy's is vectorised (~0.15 ms). The set is looked
-    for among the tokens with ``exp(logit - max)`` above a floor; tokens below the floor are
-    less likely than every candidate, so once the candidates hold ``top_p`` of the mass and not
-    all of them are kept, the rest are dropped as the full sort would drop them. mlx-lm decides
-    in float32 log-probabilities, where tokens closer than a rounding error tie: when a token
-    lies that close to the set's edge, or a mass that close to ``top_p``, the answer is None.
+    for among the tokens with ``exp(logit - max)`` at least ``NUCLEUS_FLOOR``
+    (:func:`nucleus_among`); tokens below it are less likely than every candidate, so once the
+    candidates hold ``top_p`` of the mass, the rest are dropped as the full sort would drop
+    them (and where they do not, rounding could decide the set: see ``NUCLEUS_FLOOR``).
     """
-    m = row.max()
-    e = np.exp(row - m)  # [V] float32, the likeliest is 1
+    e = np.exp(row - row.max())  # [V] float32, the likeliest is 1
     target = top_p * e.sum(dtype=np.float64)
-    for floor in (*NUCLEUS_FLOORS, None):
-        ids = np.flatnonzero(e >= floor) if floor is not None else np.arange(row.shape[-1])
-        probs = e[ids].astype(np.float64)
-        order = np.argsort(-probs, kind="stable")
-        ids, probs = ids[order], probs[order]
-        mass_above = np.concatenate([[0.0], np.cumsum(probs)[:-1]])
-        n_kept = int((mass_above < target).sum())  # >= 1: the likeliest token
-        if n_kept < len(ids) or floor is None:
-            break
-    last = probs[n_kept - 1]
-    near = abs(mass_above[n_kept - 1] - target) < ROUNDING_MARGIN * target
-    if n_kept < len(ids):
-        near |= abs(mass_above[n_kept] - target) < ROUNDING_MARGIN * target
-    near |= bool(np.any((e < last) & (e >= last * (1 - ROUNDING_MARGIN))))
-    return None if near else ids[probs >= last]
+    inside = e >= NUCLEUS_FLOOR
+    ids = np.flatnonzero(inside)
+    kept = nucleus_among(e[ids], target, target, float(e[~inside].max(initial=0.0)))
+    return ids[kept] if kept is not None and len(kept) else None
+
+
+def draw_among(logits: np.ndarray, temp: float, rng: np.random.Generator) -> int:
+    """Index of one draw from ``exp(logit / temp)`` over ``logits`` [k] (float32, NumPy)."""
+    logits = logits.astype(np.float64)
+    weights = np.exp((logits - logits.max()) / temp)
+    cdf = np.cumsum(weights)
+    return min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(cdf) - 1)
 
 
 def host_draw(row: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int | None:
@@ -215,23 +248,31 @@ def host_draw(row: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     """
     if not params.host_drawable:
         raise ValueError("host_draw handles temperature and top-p only; use sample_rows")
-    ids = None
-    if 0 < params.top_p < 1.0:
-        ids = host_nucleus(row, params.top_p)
-        if ids is None:
-            return None
-    logits = (row[ids] if ids is not None else row).astype(np.float64)
-    weights = np.exp((logits - logits.max()) / params.temp)
-    cdf = np.cumsum(weights)
-    j = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(cdf) - 1)
-    return int(ids[j]) if ids is not None else j
+    if not 0 < params.top_p < 1.0:
+        return draw_among(row, params.temp, rng)
+    ids = host_nucleus(row, params.top_p)
+    return None if ids is None else int(ids[draw_among(row[ids], params.temp, rng)])
+
+
+#: A draw of row i that may decline (None): the nucleus screen's, in :func:`walk_targets`.
+ScreenDraw = Callable[[int, np.random.Generator], int | None]
 
 
 def draw_target(
-    logits: mx.array, i: int, params: SamplingParams, rng: np.random.Generator | None = None
+    logits: mx.array,
+    i: int,
+    params: SamplingParams,
+    rng: np.random.Generator | None = None,
+    screen: ScreenDraw | None = None,
 ) -> int:
-    """One draw from row ``i`` of evaluated logits [n, V]: in NumPy (:func:`host_draw`) when
-    ``rng`` is given and the row allows it, else with :func:`sample_rows` (a host sync)."""
+    """One draw from row ``i`` of logits [n, V]: by ``screen`` (with ``rng``) where given and
+    it decides the row, else in NumPy (:func:`host_draw`) when ``rng`` is given and the row
+    allows it, else with :func:`sample_rows` (a host sync). The logits are evaluated only
+    where the screen leaves the row to them."""
+    if screen is not None and rng is not None:
+        draw = screen(i, rng)
+        if draw is not None:
+            return draw
     if rng is not None and params.host_drawable and logits.dtype == mx.float32:
         draw = host_draw(np.asarray(logits)[i], params, rng)  # a view, no copy
         if draw is not None:
@@ -244,6 +285,7 @@ def walk_targets(
     children: list[dict[int, int]],
     params: SamplingParams,
     rng: np.random.Generator | None = None,
+    screen: ScreenDraw | None = None,
 ) -> mx.array:
     """Sampling targets drawn only at the nodes the walk visits; ``-1`` elsewhere.
 
@@ -255,14 +297,17 @@ def walk_targets(
     of all n. With ``rng`` and temperature/top-p sampling the draws are made in NumPy on the
     evaluated logits (:func:`host_draw`, no device work); otherwise (and for a row whose top-p
     set float32 rounding could decide) each visited row is drawn with :func:`sample_rows`, at
-    one host sync per visited node. ``-1`` equals no token, so
-    :func:`accept` stops where the walk stopped. logits: [n, V] (evaluated); children: from
+    one host sync per visited node. ``screen`` (with ``rng``: the draw of
+    :class:`~redrafter_mlx.nucleus_screen.ScreenedNucleus`) draws each visited row first,
+    exactly as :func:`host_draw` would, and leaves the rows it cannot decide to the logits,
+    which are then evaluated. ``-1`` equals no token, so :func:`accept` stops where the walk
+    stopped. logits: [n, V] (lazy or evaluated); children: from
     :meth:`~redrafter_mlx.tree_attention.PackedTree.children`. Returns [n] int32.
     """
     targets = [-1] * len(children)
     node = 0
     while node is not None:
-        targets[node] = draw_target(logits, node, params, rng)
+        targets[node] = draw_target(logits, node, params, rng, screen)
         node = children[node].get(targets[node])
     return mx.array(targets, dtype=mx.int32)
 
