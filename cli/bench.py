@@ -85,10 +85,12 @@ def run_bench(
 
     ``prune`` adds a pruned run of each config, with the step cost measured here first;
     each config runs once per prompt-lookup size in ``lookups``; ``full_head`` adds a run of
-    each unpruned config with greedy targets from the float32 head instead of its int8 screen.
+    each unpruned config with its targets (greedy, or top-p draws) from the float32 head instead
+    of its int8 screen (where the screen applies).
     """
     from redrafter_mlx.benchmark import compare, summarize
     from redrafter_mlx.generate import step_cost, stream_autoregressive, stream_generate
+    from redrafter_mlx.nucleus_screen import ScreenedNucleus
     from redrafter_mlx.tree_budget import TreeBudget
 
     import mlx.core as mx
@@ -114,7 +116,7 @@ def run_bench(
                 profile=profile,
                 budget=budget,
                 lookup=lookup,
-                greedy_head=head,
+                head_screen=head,
                 **kw,
             )
         )
@@ -124,7 +126,7 @@ def run_bench(
     for W, L in configs:
         for n in lookups:
             runners[run_name(W, L, False, n)] = redrafter(W, L, n)
-            if full_head and sampling.greedy:
+            if full_head and (sampling.greedy or ScreenedNucleus.takes(sampling)):
                 runners[run_name(W, L, False, n) + " full head"] = redrafter(W, L, n, head=False)
         if not prune:
             continue
@@ -264,8 +266,8 @@ def bench(
         bool,
         typer.Option(
             "--full-head",
-            help="Greedy: also run each config with its targets from the float32 LM head "
-            "instead of the int8 screen (to see what the screen gains).",
+            help="Greedy or top-p sampling: also run each config with its targets from the "
+            "float32 LM head instead of the int8 screen (to see what the screen gains).",
         ),
     ] = False,
     verbose: VerboseOpt = False,

@@ -162,6 +162,9 @@ def _load_gemm() -> None:
     _gemm_lib.redrafter_head_exact.argtypes = [ctypes.c_int] * 2 + [ptr] * 3 + [ctypes.c_int, ptr]
     _gemm_lib.redrafter_head_exact.restype = None
     _gemm_lib.redrafter_head_quantize.argtypes = [ctypes.c_int] * 2 + [ptr] * 4
+    _gemm_lib.redrafter_screen_tail.argtypes = [ctypes.c_long, ptr, ptr, ctypes.c_float, ptr]
+    _gemm_lib.redrafter_screen_tail.argtypes += [ctypes.c_long, ptr]
+    _gemm_lib.redrafter_screen_tail.restype = ctypes.c_long
     _gemm_lib.redrafter_gemm_prefetch.argtypes = [ctypes.c_long]
     _gemm_lib.redrafter_gemm_prefetch.restype = ctypes.c_long
     _gemm_lib.redrafter_swiglu.argtypes = [ctypes.c_long, ptr, ptr, ptr]
@@ -282,6 +285,20 @@ def head_exact(x, w, cols):
     out = np.empty((m, len(cols)), np.float32)
     _gemm_lib.redrafter_head_exact(m, k, _ptr(x), _ptr(w), _ptr(cols), len(cols), _ptr(out))
     return out
+
+
+def screen_tail(s, eps, offset: float, max_cols: int):
+    """One row's pass of the nucleus screen (``_skinny_gemm.c``): s, eps [V] float32, the
+    screen's logits and their bounds. With ``best = max(s - eps)``: the columns whose ``s + eps``
+    reaches ``best + offset`` (ascending, int32; None if more than ``max_cols``), and over the
+    others ``(best, sum exp(s + eps - best), sum exp(s - eps - best), max(s + eps))``."""
+    import numpy as np
+
+    cols = np.empty(max_cols, np.int32)
+    out = np.empty(4, np.float64)
+    args = (_ptr(s), _ptr(eps), offset, _ptr(cols), max_cols, _ptr(out))
+    n = _gemm_lib.redrafter_screen_tail(len(s), *args)
+    return (cols[:n] if n <= max_cols else None), tuple(float(v) for v in out)
 
 
 def swiglu(g, u):

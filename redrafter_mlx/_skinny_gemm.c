@@ -551,6 +551,85 @@ int redrafter_swiglu(long n, const float *g, const float *u, float *out) {
 }
 #endif
 
+/*
+ * The nucleus screen's pass over one row (redrafter_mlx/nucleus_screen.py): s [V] are the int8
+ * screen's logits and eps [V] their bounds. With best = max(s - eps) (float32, as NumPy takes
+ * it), cols gets the columns whose upper bound s + eps reaches best + offset, ascending (their
+ * count is returned; at most max_cols are written), and over the other columns out [4] =
+ * [best, sum exp(s + eps - best), sum exp(s - eps - best), max(s + eps) (-inf if none)], the
+ * sums in float64 of terms each within 1e-5 of its exp (tests/test_nucleus_screen.py; 0 below
+ * e^-88). One pass in place of NumPy's eight over 152k floats (~2 ms a row on the Zen 1).
+ */
+static long screen_tail_from(long j, long V, const float *s, const float *eps, float best,
+                             float cut, int *cols, long max_cols, long count, double *out) {
+    for (; j < V; j++) {
+        float u = s[j] + eps[j], l = s[j] - eps[j];
+        if (u >= cut) {
+            if (count < max_cols) cols[count] = (int)j;
+            count++;
+            continue;
+        }
+        out[1] += exp((double)(u - best));
+        out[2] += exp((double)(l - best));
+        if (u > out[3]) out[3] = u;
+    }
+    return count;
+}
+
+#if defined(__x86_64__)
+KERNEL static long screen_tail_avx2(long V, const float *s, const float *eps, float offset,
+                                    int *cols, long max_cols, double *out) {
+    long j = 0, count = 0;
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= V; j += 8)
+        m8 = _mm256_max_ps(m8, _mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_loadu_ps(eps + j)));
+    float lanes[8], best = -INFINITY;
+    _mm256_storeu_ps(lanes, m8);
+    for (int i = 0; i < 8; i++) best = lanes[i] > best ? lanes[i] : best;
+    for (; j < V; j++) best = s[j] - eps[j] > best ? s[j] - eps[j] : best;
+    const float cut = best + offset;
+    const __m256 cut8 = _mm256_set1_ps(cut), best8 = _mm256_set1_ps(best);
+    const __m256 none = _mm256_set1_ps(-INFINITY);
+    __m256d hi0 = _mm256_setzero_pd(), hi1 = hi0, lo0 = hi0, lo1 = hi0;
+    __m256 rest = none;
+    for (j = 0; j + 8 <= V; j += 8) {
+        __m256 a = _mm256_loadu_ps(s + j), b = _mm256_loadu_ps(eps + j);
+        __m256 u = _mm256_add_ps(a, b), l = _mm256_sub_ps(a, b);
+        __m256 reach = _mm256_cmp_ps(u, cut8, _CMP_GE_OQ);
+        for (int bits = _mm256_movemask_ps(reach); bits; bits &= bits - 1, count++)
+            if (count < max_cols) cols[count] = (int)j + __builtin_ctz(bits);
+        __m256 eu = _mm256_andnot_ps(reach, mlx_exp8(_mm256_sub_ps(u, best8)));
+        __m256 el = _mm256_andnot_ps(reach, mlx_exp8(_mm256_sub_ps(l, best8)));
+        hi0 = _mm256_add_pd(hi0, _mm256_cvtps_pd(_mm256_castps256_ps128(eu)));
+        hi1 = _mm256_add_pd(hi1, _mm256_cvtps_pd(_mm256_extractf128_ps(eu, 1)));
+        lo0 = _mm256_add_pd(lo0, _mm256_cvtps_pd(_mm256_castps256_ps128(el)));
+        lo1 = _mm256_add_pd(lo1, _mm256_cvtps_pd(_mm256_extractf128_ps(el, 1)));
+        rest = _mm256_max_ps(rest, _mm256_blendv_ps(u, none, reach));
+    }
+    double h[4], g[4];
+    _mm256_storeu_pd(h, _mm256_add_pd(hi0, hi1));
+    _mm256_storeu_pd(g, _mm256_add_pd(lo0, lo1));
+    _mm256_storeu_ps(lanes, rest);
+    out[0] = best, out[1] = (h[0] + h[1]) + (h[2] + h[3]), out[2] = (g[0] + g[1]) + (g[2] + g[3]);
+    out[3] = -INFINITY;
+    for (int i = 0; i < 8; i++) out[3] = lanes[i] > out[3] ? lanes[i] : out[3];
+    return screen_tail_from(j, V, s, eps, best, cut, cols, max_cols, count, out);
+}
+#endif
+
+long redrafter_screen_tail(long V, const float *s, const float *eps, float offset, int *cols,
+                           long max_cols, double *out) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return screen_tail_avx2(V, s, eps, offset, cols, max_cols, out);
+#endif
+    float best = -INFINITY;
+    for (long j = 0; j < V; j++) best = s[j] - eps[j] > best ? s[j] - eps[j] : best;
+    out[0] = best, out[1] = out[2] = 0.0, out[3] = -INFINITY;
+    return screen_tail_from(0, V, s, eps, best, best + offset, cols, max_cols, 0, out);
+}
+
 /* Changes whenever the kernel's arithmetic or speed does: stored tunes (step costs) name it.
  * 5: our forwards take their MLP activation from redrafter_swiglu (cheaper trees).
  * 6: each weight stream is prefetched (faster at every row count, most at 2-3 rows). */

@@ -12,8 +12,9 @@ One ReDrafter step, with the device arrays kept lazy throughout::
     sync: acc.tokens, acc.count, beams'         # the step's only host synchronisation
 
 The next draft is built before the sync, so each step costs one round trip to the device
-(two with greedy's int8 head screen, :mod:`.greedy_head`, which reads the hidden states on the
-host: on the CPU a round trip costs next to nothing, and the screen saves most of the head).
+(two with the LM head's int8 screen, :mod:`.greedy_head` for greedy and :mod:`.nucleus_screen`
+for top-p sampling, which read the hidden states on the host: on the CPU a round trip costs next
+to nothing, and the screen saves most of the head).
 With one beam and prompt lookup (no budget), a lookup match replaces that beam, so the next
 draft waits for the step's tokens and runs only where the lookup misses (one more round trip
 on those steps; on HumanEval the drafter is skipped on ~30% of the steps);
@@ -41,6 +42,7 @@ from .greedy_head import GreedyHead
 from .kv_cache import TreeKVCache
 from .llm import TreeLLM
 from .loading import check_compatible, match_dtype
+from .nucleus_screen import ScreenedNucleus
 from .prompt_lookup import DEFAULT_MIN_NGRAM, LONGEST_NGRAM, PromptLookup
 from .tree_attention import pack_beams
 from .tree_budget import TreeBudget, measure_step_cost
@@ -169,7 +171,7 @@ def stream_redrafter(
     budget: TreeBudget | None = None,
     lookup: int = 0,
     history: Sequence[int] = (),
-    greedy_head: bool = True,
+    head_screen: bool = True,
 ) -> Iterator[StepOutput]:
     """Generate with ReDrafter, yielding the tokens of each step as soon as they are accepted.
 
@@ -197,9 +199,11 @@ def stream_redrafter(
     unchanged). ``history`` is the text before ``prompt`` that ``cache`` already holds (a chat's
     earlier turns): lookup searches it too.
 
-    ``greedy_head`` (greedy only) takes the targets from an int8 screen of the LM head and an
-    exact recount of the few columns that could win (:mod:`redrafter_mlx.greedy_head`), where
-    the few-row kernel computes the head: the same tokens, without streaming the float32 head.
+    ``head_screen`` takes the targets from an int8 screen of the LM head and an exact recount
+    of the few columns that matter, where the few-row kernel computes the head: for greedy the
+    columns that could win (:mod:`redrafter_mlx.greedy_head`), for temperature with top-p the
+    tokens that could be in the nucleus (:mod:`redrafter_mlx.nucleus_screen`). The same tokens
+    (greedy) or the same draws (sampling), without streaming the float32 head.
     """
     if lookup < 0:
         raise ValueError(f"lookup is the shortest n-gram to match (0: off), got {lookup}")
@@ -216,7 +220,7 @@ def stream_redrafter(
         budget,
         lookup,
         [int(t) for t in history],
-        greedy_head,
+        head_screen,
     )
     return on_stream(steps, generation_stream)
 
@@ -234,16 +238,17 @@ def _redrafter_steps(
     budget: TreeBudget | None,
     lookup: int,
     history: list[int],
-    greedy_head: bool,
+    head_screen: bool,
 ) -> Iterator[StepOutput]:
     sampling = sampling or SamplingParams()
     prompt_ids = _as_prompt(prompt)
     summary = GenerationSummary(prompt_tokens=len(prompt_ids))
     emitter = _Emitter(summary, max_tokens, stop_tokens)
     cache = cache if cache is not None else llm.make_cache()
-    # Greedy targets from the LM head's int8 screen where they are provably exact (built once
-    # per model, before the clock starts).
-    head = GreedyHead.for_model(llm.model) if sampling.greedy and greedy_head else None
+    # Greedy targets and top-p draws from the LM head's int8 screen where they are provably
+    # exact (built once per model, before the clock starts).
+    screened = sampling.greedy or ScreenedNucleus.takes(sampling)
+    head = GreedyHead.for_model(llm.model) if screened and head_screen else None
     # NumPy memory (the screen, an int8 drafter's copies): not in MLX's peak.
     extra_bytes = (head.nbytes if head is not None else 0) + getattr(propose, "nbytes", 0)
     mx.reset_peak_memory()
@@ -306,7 +311,8 @@ def _redrafter_steps(
         )
         logits = llm.logits(hidden)  # lazy: the screen below usually leaves it unevaluated
         unsure = None
-        screened = head.targets(hidden) if head is not None and head.usable(tree.size) else None
+        usable = head is not None and head.usable(tree.size)
+        screened = head.targets(hidden) if usable and sampling.greedy else None
         if screened is not None:  # the int8 screen and an exact recount (one more sync)
             targets, unsure = mx.array(screened[0]), mx.array(screened[1])
         elif sampling.greedy and logits.dtype == mx.float32:  # no sync before acceptance
@@ -314,8 +320,8 @@ def _redrafter_steps(
         elif sampling.greedy:
             targets = node_targets(logits, sampling)
         else:  # process and sample only the rows the walk visits (see walk_targets)
-            mx.eval(logits)
-            targets = walk_targets(logits, tree.children(), sampling, rng)
+            screen = ScreenedNucleus(head, hidden, sampling).draw if usable else None
+            targets = walk_targets(logits, tree.children(), sampling, rng, screen)
         clock.lap("verify", targets)
         # Solo mode decides whether to draft after the lookup has seen this step's tokens.
         args = (None if solo else propose, beams, mx.array(tree.unpacker), hidden)
