@@ -12,10 +12,12 @@ gives every logit within a proven bound, so for each visited row:
    (:func:`redrafter_mlx._blas.head_exact`);
 3. **nucleus**: :func:`~redrafter_mlx.verification.nucleus_among` on the candidates at least
    ``FLOOR`` as likely as the likeliest, the same candidate set
-   :func:`~redrafter_mlx.verification.host_nucleus` looks among first. The total mass, which
-   sets where the nucleus ends, is exact over the candidates and bounded over the rest (each
-   token's ``exp`` of its screened bounds); the nucleus is taken only where both ends of that
-   range, widened by the rounding margin, give the same set.
+   :func:`~redrafter_mlx.verification.host_nucleus` looks among. The total mass, which sets
+   where the nucleus ends, is exact over the candidates and bounded over the rest (each
+   token's ``exp`` of its screened bounds, one pass in C: :func:`redrafter_mlx._blas.
+   screen_tail`); the nucleus is taken only where both ends of that range, widened by the
+   rounding margin, give the same set. Where they do not, the recount is retried once with
+   every token that may be 1e-6 as likely, which narrows the range.
 
 Top-p renormalises within the nucleus, so the draw needs no other logit: it is the draw
 :func:`~redrafter_mlx.verification.host_draw` makes from the full row (same ids in the same
@@ -111,8 +113,9 @@ class ScreenedNucleus:
         lo = self.params.top_p * (total + rest_lo) * (1 - SUM_ROOM)
         hi = self.params.top_p * (total + rest_hi) * (1 + SUM_ROOM)
         inside = e >= FLOOR
-        outside = math.exp(rest_top - float(m)) * (1 + EXP_ROOM) + TINY  # 0 if none left out
-        outside = max(float(e[~inside].max(initial=0.0)), outside)
+        outside = float(e[~inside].max(initial=0.0))
+        if rest_top > -math.inf:  # some tokens were not recounted
+            outside = max(outside, math.exp(rest_top - float(m)) * (1 + EXP_ROOM) + TINY)
         kept = nucleus_among(e[inside], lo, hi, outside)
         if kept is None or not len(kept):
             return None
