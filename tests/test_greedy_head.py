@@ -23,21 +23,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import tiny_drafter, tiny_llm
+from tiny_models import head_screen_of, tiny_drafter, tiny_llm
 
 pytestmark = pytest.mark.skipif(
     _blas.gemm != "on", reason=f"the few-row GEMM kernel is not on here ({_blas.gemm})"
 )
-
-
-def head_of(weight: np.ndarray) -> GreedyHead:
-    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-    layer.weight = mx.array(weight)
-    model = nn.Module()
-    model.lm_head = layer
-    head = GreedyHead.for_model(model)
-    assert head is not None
-    return head
 
 
 def weights(rng, v: int, h: int, ties: int) -> np.ndarray:
@@ -75,7 +65,7 @@ def test_screen_bounds_hold_and_targets_equal_greedy_targets(v, h, n, ties, outl
     x = states(rng, n, h, outlier)
     if ties and v > 1:  # make some state's best logit tie another column's
         x[0] = w[rng.integers(0, v)] * np.float32(50)
-    head = head_of(w)
+    head = head_screen_of(w)
     logits = mx.array(x) @ mx.array(w).T  # what mlx-lm computes (in the kernel)
     exact = np.array(logits)
     screen, eps = head.screen(x)
@@ -107,11 +97,11 @@ def test_near_ties_are_flagged_and_exact_ties_take_the_first_column():
     x = rng.standard_normal((2, h), dtype=np.float32)
     w[300] = x[0] * np.float32(0.2)  # row 0's clear winner ...
     w[17] = w[300]  # ... tied exactly by an earlier column
-    head = head_of(w)
+    head = head_screen_of(w)
     (targets, unsure) = head.targets(mx.array(x))
     assert not unsure and targets[0] == 17
     w[17, 0] += np.float32(NEAR_TIE / 4 / abs(x[0, 0]))  # now within NEAR_TIE, not equal
-    head = head_of(w)
+    head = head_screen_of(w)
     logits = mx.array(x) @ mx.array(w).T
     assert bool(greedy_targets(logits)[1].item())
     assert head.targets(mx.array(x))[1]
@@ -120,11 +110,11 @@ def test_near_ties_are_flagged_and_exact_ties_take_the_first_column():
 def test_what_the_screen_cannot_decide_is_left_to_mlx():
     rng = np.random.default_rng(2)
     w = rng.standard_normal((300, 128), dtype=np.float32)
-    head = head_of(w)
+    head = head_screen_of(w)
     x = rng.standard_normal((2, 128), dtype=np.float32)
     x[1, 5] = np.nan
     assert head.targets(mx.array(x)) is None
-    flat = head_of(np.ones((5000, 128), np.float32))  # every column ties: too many to recount
+    flat = head_screen_of(np.ones((5000, 128), np.float32))  # every column ties: too many
     assert flat.targets(mx.array(x[:1])) is None
 
 

@@ -12,35 +12,23 @@ from redrafter_mlx import _blas
 from redrafter_mlx import nucleus_screen as ns
 from redrafter_mlx.beam_search import make_proposer
 from redrafter_mlx.generate import stream_redrafter
-from redrafter_mlx.greedy_head import GreedyHead
 from redrafter_mlx.llm import TreeLLM
 from redrafter_mlx.nucleus_screen import ScreenedNucleus
 from redrafter_mlx.verification import SamplingParams, host_draw, host_nucleus, nucleus_among
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.sample_utils import apply_top_p
-from tiny_models import tiny_drafter, tiny_llm
+from tiny_models import head_screen_of, tiny_drafter, tiny_llm
 
 pytestmark = pytest.mark.skipif(
     _blas.gemm != "on", reason=f"the few-row GEMM kernel is not on here ({_blas.gemm})"
 )
 
 TOP_P = SamplingParams(temp=0.7, top_p=0.95)
-
-
-def head_of(weight: np.ndarray) -> GreedyHead:
-    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-    layer.weight = mx.array(weight)
-    model = nn.Module()
-    model.lm_head = layer
-    head = GreedyHead.for_model(model)
-    assert head is not None
-    return head
 
 
 def llm_like(rng, v: int, h: int, n: int, peak: float) -> tuple[np.ndarray, np.ndarray]:
@@ -68,7 +56,7 @@ def test_screened_nucleus_and_draws_are_host_draws(v, h, n, peak, top_p, seed):
     generator state; it may leave a row to the logits, never decide one differently."""
     rng = np.random.default_rng(seed)
     w, x = llm_like(rng, v, h, n, peak)
-    head = head_of(w)
+    head = head_screen_of(w)
     params = SamplingParams(temp=0.7, top_p=top_p)
     logits = np.array(mx.array(x) @ mx.array(w).T)  # what mlx-lm computes (in the kernel)
     screen = ScreenedNucleus(head, mx.array(x), params)
@@ -89,7 +77,7 @@ def test_the_screen_decides_llm_like_rows():
     """Peaked rows over a long tail (as an LLM's mostly are) are decided by the screen."""
     rng = np.random.default_rng(0)
     w, x = llm_like(rng, 30_000, 256, 6, 30.0)
-    head = head_of(w)
+    head = head_screen_of(w)
     logits = np.array(mx.array(x) @ mx.array(w).T)
     screen = ScreenedNucleus(head, mx.array(x), TOP_P)
     decided = [screen.nucleus(i) for i in range(6)]
@@ -114,7 +102,7 @@ def test_a_nucleus_reaching_below_the_candidates_is_left_to_mlx():
     lp = mx.array(logits) - mx.logsumexp(mx.array(logits), axis=-1, keepdims=True)
     assert (np.array(apply_top_p(lp, TOP_P.top_p)) > -np.inf).sum() > 1000
     assert host_nucleus(logits[0], TOP_P.top_p) is None
-    assert ScreenedNucleus(head_of(w), mx.array(x), TOP_P).nucleus(0) is None
+    assert ScreenedNucleus(head_screen_of(w), mx.array(x), TOP_P).nucleus(0) is None
 
 
 def test_rows_the_screen_cannot_bound_are_left_to_the_logits():
@@ -122,12 +110,12 @@ def test_rows_the_screen_cannot_bound_are_left_to_the_logits():
     w = rng.standard_normal((300, 128), dtype=np.float32)
     x = rng.standard_normal((2, 128), dtype=np.float32)
     x[1, 5] = np.nan
-    screen = ScreenedNucleus(head_of(w), mx.array(x), TOP_P)
+    screen = ScreenedNucleus(head_screen_of(w), mx.array(x), TOP_P)
     assert screen.nucleus(1) is None and screen.draw(1, np.random.default_rng(0)) is None
-    flat = ScreenedNucleus(head_of(np.ones((5000, 128), np.float32)), mx.array(x[:1]), TOP_P)
+    flat = ScreenedNucleus(head_screen_of(np.ones((5000, 128), np.float32)), mx.array(x[:1]), TOP_P)
     assert flat.nucleus(0) is None  # every column ties: more than MAX_RECOUNT to recount
     with pytest.raises(ValueError, match="temperature and top-p only"):
-        ScreenedNucleus(head_of(w), mx.array(x), SamplingParams(temp=0.7))
+        ScreenedNucleus(head_screen_of(w), mx.array(x), SamplingParams(temp=0.7))
     assert not ScreenedNucleus.takes(SamplingParams(temp=0.7, top_p=0.9, top_k=5))
     assert not ScreenedNucleus.takes(SamplingParams())
 

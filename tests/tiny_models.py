@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from redrafter_mlx.drafter import Drafter, DrafterConfig
+from redrafter_mlx.greedy_head import GreedyHead
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import gemma3_text, llama, qwen2
 
@@ -104,3 +106,14 @@ def tiny_drafter(hidden_size: int = 32, vocab_size: int = 64, seed: int = 0, **k
 
 def n_params(module: nn.Module) -> int:
     return sum(v.size for _, v in tree_flatten(module.parameters()))
+
+
+def head_screen_of(weight: np.ndarray) -> GreedyHead:
+    """The int8 screen of an LM head with this [V, H] float32 weight (H >= 128: the kernel's)."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    layer.weight = mx.array(weight)
+    model = nn.Module()
+    model.lm_head = layer
+    head = GreedyHead.for_model(model)
+    assert head is not None
+    return head
