@@ -42,7 +42,7 @@ from .greedy_head import GreedyHead
 from .kv_cache import TreeKVCache
 from .llm import TreeLLM
 from .loading import check_compatible, match_dtype
-from .nucleus_screen import ScreenedNucleus
+from .nucleus_screen import ScreenedNucleus, screen_pays
 from .prompt_lookup import DEFAULT_MIN_NGRAM, LONGEST_NGRAM, PromptLookup
 from .tree_attention import pack_beams
 from .tree_budget import TreeBudget, measure_step_cost
@@ -279,6 +279,7 @@ def _redrafter_steps(
     if sampling.host_drawable:
         rng = np.random.default_rng(int(mx.random.randint(0, 2**31)))
     past = cache[0].length  # absolute position of the root g0
+    screened_steps = (0, 0)  # top-p steps drawn through the screen, and those it fell back on
     gen_start = time.perf_counter()
     while True:
         clock = _PhaseClock(profile)
@@ -320,8 +321,13 @@ def _redrafter_steps(
         elif sampling.greedy:
             targets = node_targets(logits, sampling)
         else:  # process and sample only the rows the walk visits (see walk_targets)
-            screen = ScreenedNucleus(head, hidden, sampling).draw if usable else None
+            nucleus = None
+            if usable and screen_pays(*screened_steps):
+                nucleus = ScreenedNucleus(head, hidden, sampling)
+            screen = nucleus.draw if nucleus is not None else None
             targets = walk_targets(logits, tree.children(), sampling, rng, screen)
+            if nucleus is not None:
+                screened_steps = (screened_steps[0] + 1, screened_steps[1] + (nucleus.declined > 0))
         clock.lap("verify", targets)
         # Solo mode decides whether to draft after the lookup has seen this step's tokens.
         args = (None if solo else propose, beams, mx.array(tree.unpacker), hidden)

@@ -203,3 +203,33 @@ def test_engine_with_the_screen_draws_the_same_tokens(W, L, lookup, monkeypatch)
             runs.append([t for o in steps for t in o.tokens])
         assert runs[0] == runs[1]
     assert drawn and sum(drawn) >= 0.8 * len(drawn), (sum(drawn), len(drawn))
+
+
+def test_the_engine_stops_screening_where_the_screen_keeps_falling_back(monkeypatch):
+    """A screen that declines every row is tried for TRIAL_STEPS steps and then left off; the
+    tokens are the same either way (each draw is host_draw's, from the same generator)."""
+    assert ns.screen_pays(ns.TRIAL_STEPS - 1, ns.TRIAL_STEPS - 1)
+    assert not ns.screen_pays(ns.TRIAL_STEPS, ns.TRIAL_STEPS)
+    assert ns.screen_pays(30, 10) and not ns.screen_pays(30, 11)
+    model = tiny_llm("qwen2", vocab_size=3000, hidden_size=128, seed=1, scale=6.0, tie=True)
+    llm = TreeLLM(model)
+    propose = make_proposer(tiny_drafter(128, 3000, seed=3), llm.embed, 1, 3)
+    made = []
+    original = ScreenedNucleus.__init__
+
+    def init(self, *args):
+        made.append(1)
+        original(self, *args)
+
+    monkeypatch.setattr(ScreenedNucleus, "__init__", init)
+    monkeypatch.setattr(ScreenedNucleus, "nucleus", lambda self, i: None)
+    runs = []
+    for screen in (True, False):
+        mx.random.seed(5)
+        steps = stream_redrafter(
+            llm, propose, [1, 2, 3], max_tokens=60, sampling=TOP_P, head_screen=screen
+        )
+        outs = list(steps)
+        runs.append([t for o in outs for t in o.tokens])
+    assert runs[0] == runs[1]
+    assert outs[-1].summary.steps > 2 * ns.TRIAL_STEPS and len(made) == ns.TRIAL_STEPS
