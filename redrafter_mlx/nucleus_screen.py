@@ -134,7 +134,7 @@ class ScreenedNucleus:
         outside = float(e[~inside].max(initial=0.0))
         if rest_top > -math.inf:  # some tokens were not recounted
             outside = max(outside, math.exp(rest_top - float(m)) * (1 + EXP_ROOM) + TINY)
-        kept = nucleus_among(e[inside], lo, hi, outside)
+        kept = nucleus_among(e[inside], exact[inside], lo, hi, outside)
         if kept is None or not len(kept):
             return None
         ids = np.flatnonzero(inside)[kept]

@@ -178,10 +178,13 @@ ROUNDING_MARGIN = 1e-4
 NUCLEUS_FLOOR = 1e-4
 
 
-def nucleus_among(e: np.ndarray, lo: float, hi: float, outside: float = 0.0) -> np.ndarray | None:
+def nucleus_among(
+    e: np.ndarray, logits: np.ndarray, lo: float, hi: float, outside: float = 0.0
+) -> np.ndarray | None:
     """mlx-lm's top-p rule on candidate tokens: which of them it keeps, likeliest first.
 
-    e: [k] float32 ``exp(logit - row max)`` of the candidates; lo <= hi: bounds on ``top_p``
+    e: [k] float32 ``exp(logit - row max)`` of the candidates, logits: [k] their float32
+    logits (tokens tie only where these are equal); lo <= hi: bounds on ``top_p``
     times the row's total mass (``e`` summed over every token of the vocabulary); outside: an
     upper bound on ``e`` of every token that is not a candidate (0: all tokens are), below the
     likeliest candidate's. Token j (likeliest first) is kept while the mass above it is below
@@ -192,7 +195,8 @@ def nucleus_among(e: np.ndarray, lo: float, hi: float, outside: float = 0.0) -> 
     target's upper bound); None where float32 rounding
     could decide it (mlx-lm decides in float32 log-probabilities, where tokens closer than a
     rounding error tie: a token that close to the set's edge, or a mass that close to the
-    target) or where the target's bounds are too far apart to decide it.
+    target; float32 ``e`` may round unequal logits to one value) or where the target's bounds
+    are too far apart to decide it.
     """
     probs = e.astype(np.float64)
     order = np.argsort(-probs, kind="stable")
@@ -206,7 +210,9 @@ def nucleus_among(e: np.ndarray, lo: float, hi: float, outside: float = 0.0) -> 
     near = lo - mass_above[n_kept - 1] < ROUNDING_MARGIN * lo
     if n_kept < len(probs) or outside > 0:
         near |= mass_above[n_kept] - hi < ROUNDING_MARGIN * hi
-    near |= bool(np.any((probs < last) & (probs >= last * (1 - ROUNDING_MARGIN))))
+    # a token within rounding of the last one kept that does not tie it exactly
+    close = np.abs(probs - last) <= last * ROUNDING_MARGIN
+    near |= bool(np.any(close & (logits[order] != logits[order[n_kept - 1]])))
     near |= outside >= last * (1 - ROUNDING_MARGIN)
     return None if near else order[probs >= last]
 
@@ -227,7 +233,7 @@ def host_nucleus(row: np.ndarray, top_p: float) -> np.ndarray | None:
     target = top_p * e.sum(dtype=np.float64)
     inside = e >= NUCLEUS_FLOOR
     ids = np.flatnonzero(inside)
-    kept = nucleus_among(e[ids], target, target, float(e[~inside].max(initial=0.0)))
+    kept = nucleus_among(e[ids], row[ids], target, target, float(e[~inside].max(initial=0.0)))
     return ids[kept] if kept is not None and len(kept) else None
 
 

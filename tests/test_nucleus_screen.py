@@ -164,14 +164,19 @@ def test_screen_tail_exp_is_within_its_room_per_term():
 
 def test_nucleus_among_with_bounds_on_the_total():
     e = np.array([1.0, 0.5, 0.25, 0.125], np.float32)  # masses above: 0, 1, 1.5, 1.75, 1.875
-    np.testing.assert_array_equal(nucleus_among(e, 1.2, 1.4), [0, 1])
-    assert nucleus_among(e, 0.9, 1.2) is None  # the target may lie on either side of 1
-    assert len(nucleus_among(e, 1.9, 1.95, outside=0.01)) == 0  # may reach past them all
-    np.testing.assert_array_equal(nucleus_among(e, 1.9, 1.95), [0, 1, 2, 3])  # no others
-    np.testing.assert_array_equal(nucleus_among(e, 1.6, 1.7, outside=0.01), [0, 1, 2])
+    lg = np.log(e)
+
+    def among(lo, hi, outside=0.0, k=4):
+        return nucleus_among(e[:k], lg[:k], lo, hi, outside)
+
+    np.testing.assert_array_equal(among(1.2, 1.4), [0, 1])
+    assert among(0.9, 1.2) is None  # the target may lie on either side of 1
+    assert len(among(1.9, 1.95, outside=0.01)) == 0  # may reach past them all
+    np.testing.assert_array_equal(among(1.9, 1.95), [0, 1, 2, 3])  # no others
+    np.testing.assert_array_equal(among(1.6, 1.7, outside=0.01), [0, 1, 2])
     # all candidates kept, but their mass is past the target: the next token is not kept
-    np.testing.assert_array_equal(nucleus_among(e, 1.8, 1.85, outside=0.01), [0, 1, 2, 3])
-    assert nucleus_among(e[:3], 1.6, 1.7, outside=0.24999) is None  # ties the last one kept
+    np.testing.assert_array_equal(among(1.8, 1.85, outside=0.01), [0, 1, 2, 3])
+    assert among(1.6, 1.7, outside=0.24999, k=3) is None  # ties the last one kept
 
 
 @pytest.mark.parametrize("W,L,lookup", [(1, 3, 2), (2, 4, 0)])
