@@ -247,8 +247,8 @@ def _redrafter_steps(
     cache = cache if cache is not None else llm.make_cache()
     # Greedy targets and top-p draws from the LM head's int8 screen where they are provably
     # exact (built once per model, before the clock starts).
-    screened = sampling.greedy or ScreenedNucleus.takes(sampling)
-    head = GreedyHead.for_model(llm.model) if screened and head_screen else None
+    screenable = sampling.greedy or ScreenedNucleus.takes(sampling)
+    head = GreedyHead.for_model(llm.model) if screenable and head_screen else None
     # NumPy memory (the screen, an int8 drafter's copies): not in MLX's peak.
     extra_bytes = (head.nbytes if head is not None else 0) + getattr(propose, "nbytes", 0)
     mx.reset_peak_memory()

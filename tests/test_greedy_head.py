@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_models import head_screen_of, tiny_drafter, tiny_llm
+from tiny_models import head_screen_of, record_calls, tiny_drafter, tiny_llm
 
 pytestmark = pytest.mark.skipif(
     _blas.gemm != "on", reason=f"the few-row GEMM kernel is not on here ({_blas.gemm})"
@@ -181,15 +181,7 @@ def test_engine_with_the_screen_equals_mlx_lm(family, tie, W, L, lookup, monkeyp
     kw = {} if family == "gemma3_text" else {"tie": tie}
     model = tiny_llm(family, vocab_size=512, hidden_size=128, seed=1, **kw)
     llm = TreeLLM(model)
-    decided = []
-    original = GreedyHead.targets
-
-    def counted(self, hidden):
-        out = original(self, hidden)
-        decided.append(out is not None)
-        return out
-
-    monkeypatch.setattr(GreedyHead, "targets", counted)
+    screened = record_calls(monkeypatch, GreedyHead, "targets")
     rng = np.random.default_rng(W * 10 + L)
     for _ in range(3):
         prompt = rng.integers(0, 512, int(rng.integers(2, 12))).tolist()
@@ -202,7 +194,7 @@ def test_engine_with_the_screen_equals_mlx_lm(family, tie, W, L, lookup, monkeyp
             for t in o.tokens
         ]
         assert got == want
-    assert decided and all(decided)  # the screen decided every step's targets
+    assert screened and all(out is not None for out in screened)  # it decided every step
 
 
 def test_quantized_weights_and_their_norms():

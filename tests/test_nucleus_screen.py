@@ -22,7 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.sample_utils import apply_top_p
-from tiny_models import head_screen_of, tiny_drafter, tiny_llm
+from tiny_models import head_screen_of, record_calls, tiny_drafter, tiny_llm
 
 pytestmark = pytest.mark.skipif(
     _blas.gemm != "on", reason=f"the few-row GEMM kernel is not on here ({_blas.gemm})"
@@ -184,15 +184,7 @@ def test_engine_with_the_screen_draws_the_same_tokens(W, L, lookup, monkeypatch)
     """Same seed, screen on or off: the same tokens, and the screen drew most of them."""
     model = tiny_llm("qwen2", vocab_size=3000, hidden_size=128, seed=1, scale=6.0, tie=True)
     llm = TreeLLM(model)
-    drawn = []
-    original = ScreenedNucleus.draw
-
-    def counted(self, i, rng):
-        out = original(self, i, rng)
-        drawn.append(out is not None)
-        return out
-
-    monkeypatch.setattr(ScreenedNucleus, "draw", counted)
+    draws = record_calls(monkeypatch, ScreenedNucleus, "draw")
     rng = np.random.default_rng(W * 10 + L)
     for k in range(3):
         prompt = rng.integers(0, 3000, int(rng.integers(2, 12))).tolist()
@@ -207,6 +199,7 @@ def test_engine_with_the_screen_draws_the_same_tokens(W, L, lookup, monkeypatch)
             )  # fmt: skip
             runs.append([t for o in steps for t in o.tokens])
         assert runs[0] == runs[1]
+    drawn = [out is not None for out in draws]
     assert drawn and sum(drawn) >= 0.8 * len(drawn), (sum(drawn), len(drawn))
 
 
@@ -219,14 +212,7 @@ def test_the_engine_stops_screening_where_the_screen_keeps_falling_back(monkeypa
     model = tiny_llm("qwen2", vocab_size=3000, hidden_size=128, seed=1, scale=6.0, tie=True)
     llm = TreeLLM(model)
     propose = make_proposer(tiny_drafter(128, 3000, seed=3), llm.embed, 1, 3)
-    made = []
-    original = ScreenedNucleus.__init__
-
-    def init(self, *args):
-        made.append(1)
-        original(self, *args)
-
-    monkeypatch.setattr(ScreenedNucleus, "__init__", init)
+    made = record_calls(monkeypatch, ScreenedNucleus, "__init__")
     monkeypatch.setattr(ScreenedNucleus, "nucleus", lambda self, i: None)
     runs = []
     for screen in (True, False):

@@ -117,3 +117,17 @@ def head_screen_of(weight: np.ndarray) -> GreedyHead:
     head = GreedyHead.for_model(model)
     assert head is not None
     return head
+
+
+def record_calls(monkeypatch, cls: type, name: str) -> list:
+    """Patch ``cls.name`` to run as before and append each call's result to the returned list."""
+    results = []
+    original = getattr(cls, name)
+
+    def recorded(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        results.append(out)
+        return out
+
+    monkeypatch.setattr(cls, name, recorded)
+    return results
