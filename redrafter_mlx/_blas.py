@@ -219,6 +219,16 @@ def gemm_prefetch(floats: int | None = None) -> int | None:
     return int(_gemm_lib.redrafter_gemm_prefetch(-1 if floats is None else max(0, floats)))
 
 
+def gemm_rows_from_l2(on: bool | None = None) -> bool | None:
+    """Whether 2-4 activation rows with a long dot product stream one weight row at a time
+    with the activations in L2 (chosen on Zen 1) rather than in blocks of 4 weight rows, after
+    setting it to ``on`` when given; None where the kernel is not loaded. Results do not
+    depend on it, only timings."""
+    if _gemm_lib is None:
+        return None
+    return bool(_gemm_lib.redrafter_gemm_rows_from_l2(-1 if on is None else int(on)))
+
+
 def kernel_takes(rows: int, n: int, k: int) -> bool:
     """Whether a product of ``rows`` activation rows by an [n, k] weight's transpose runs in
     the few-row kernel here (not in the BLAS)."""

@@ -214,8 +214,18 @@ KERNEL static void row_at_4_columns(const job_t *g, int m, int j) {
 
 /* Activation floats (M x K) up to which one weight row at a time serves all rows: they must stay
  * in L1 while the weight rows stream past. Beyond it (more rows, or a long K such as an MLP's
- * down projection) blocks of 4 weight rows are faster (measured on the AMD machine). */
+ * down projection) blocks of 4 weight rows are faster (measured on an AVX-512 Intel machine:
+ * one row at a time for Qwen2.5-0.5B's down projections at 3 rows took 32.2 ms against 20.5).
+ *
+ * Except on Zen 1 (AMD family 17h before Zen 2), whose loads are 16 bytes wide: L2 feeds L1 as
+ * fast as the load ports drain it, so 2-4 activation rows may come from L2 while 4-row blocks
+ * would read every weight again from L2 for each row. One weight row at a time there streamed
+ * the down projection (896 x 4864, 24 copies) at 20.1 against 15.6 GB/s with 3 rows, 16.0
+ * against 12.8 with 4, and Gemma 3 270M's (640 x 2048) at 19.4 against 14.9 with 3 (2-core EPYC
+ * 7001, 15 alternating rounds). Blocking K so the activations fit in L1 recovered only part of
+ * it (18.2-18.8 GB/s at 3 rows). */
 enum { ROW_STREAM_FLOATS = 4096 };
+static int rows_from_l2 = 0; /* set by redrafter_gemm_init on Zen 1 */
 
 /* fn(g, m, G, j) over the rows of column j in groups of at most G = 4, G a constant in each
  * call: each group size compiles to its own unrolled loop. */
@@ -230,7 +240,7 @@ enum { ROW_STREAM_FLOATS = 4096 };
 KERNEL static void nt_columns(const job_t *g, int j0, int j1) {
     const int M = g->M;
     int j = j0;
-    if (M > 4 || M * g->K > ROW_STREAM_FLOATS)
+    if (M > 4 || (M * g->K > ROW_STREAM_FLOATS && !(rows_from_l2 && M > 1)))
         for (; j + 4 <= j1; j += 4)
             for (int m = 0; m < M; m++) row_at_4_columns(g, m, j);
     for (; j < j1; j++) EACH_ROW_GROUP(rows_at_column, g, j);
@@ -469,6 +479,7 @@ int redrafter_gemm_init(int rows, int threads) {
     has_vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
                !getenv("REDRAFTER_NO_VNNI");
+    rows_from_l2 = __builtin_cpu_is("znver1");
 #else
     (void)rows, (void)threads;
     return 0; /* only measured and tested on x86-64 so far */
@@ -633,12 +644,20 @@ long redrafter_screen_tail(long V, const float *s, const float *eps, float offse
 /* Changes whenever the kernel's arithmetic or speed does: stored tunes (step costs) name it.
  * 5: our forwards take their MLP activation from redrafter_swiglu (cheaper trees).
  * 6: each weight stream is prefetched (faster at every row count, most at 2-3 rows). */
-int redrafter_gemm_version(void) { return 6; }
+int redrafter_gemm_version(void) { return 7; }
 
 /* The prefetch distance in floats: sets it when floats >= 0 (0: off), returns the one in force. */
 long redrafter_gemm_prefetch(long floats) {
     if (floats >= 0) prefetch_floats = floats > (1L << 20) ? (1L << 20) : floats;
     return prefetch_floats;
+}
+
+/* Whether 2-4 rows with a long K take one weight row at a time (the Zen 1 choice, set by
+ * redrafter_gemm_init): sets it when on >= 0, returns the one in force. Only timings depend on
+ * it; tests run both paths on any machine. */
+int redrafter_gemm_rows_from_l2(int on) {
+    if (on >= 0) rows_from_l2 = on > 0;
+    return rows_from_l2;
 }
 
 /* Products computed here so far (tests check the interposition is live). */

@@ -104,17 +104,26 @@ def test_large_products_use_the_pool_and_stay_correct():
         close(mx.array(a) @ mx.array(b), reference(a, b), k)
 
 
-@pytest.mark.parametrize("k", [903, 896, 136, 128])  # every tail: K % 16 = 7, 0, 8, 0
+# every tail: K % 16 = 7, 0, 8, 0; and long dot products (an MLP's down projection), where
+# 2-4 rows take 4-row blocks or, on Zen 1, one weight row at a time
+@pytest.mark.parametrize("k", [903, 896, 136, 128, 4864, 2055])
 @pytest.mark.parametrize("m", [2, 3, 4, 5, 8, 32])  # one weight row per pass, and 4-row blocks
 def test_each_row_is_bit_identical_to_that_row_alone(m, k):
     """A tree node's activations get exactly the arithmetic of the same token decoded alone."""
     rng = np.random.default_rng(1)
-    w = mx.array(rng.standard_normal((4103, k), dtype=np.float32)).T  # odd N: column tails
+    n = 4103 if k < 1024 else 517  # odd N: column tails
+    w = mx.array(rng.standard_normal((n, k), dtype=np.float32)).T
     x = mx.array(rng.standard_normal((m, k), dtype=np.float32))
-    together = np.array(x @ w)
-    for i in range(m):
-        alone = np.array(x[i : i + 1] @ w)[0]
-        assert np.array_equal(together[i], alone), (m, i)
+    chosen = _blas.gemm_rows_from_l2()
+    try:
+        for rows_from_l2 in (False, True):  # both long-K paths, whichever this CPU takes
+            _blas.gemm_rows_from_l2(rows_from_l2)
+            together = np.array(x @ w)
+            for i in range(m):
+                alone = np.array(x[i : i + 1] @ w)[0]
+                assert np.array_equal(together[i], alone), (m, i, rows_from_l2)
+    finally:
+        _blas.gemm_rows_from_l2(chosen)
 
 
 def test_few_rows_go_to_the_kernel_and_many_to_the_blas():
