@@ -16,8 +16,8 @@
  * faster on them (1.5-2x on the scores, 3-6x on probabilities times values, 2-core AMD EPYC).
  *
  * The kernel reads each weight row once for all activation rows (a dot-product form in 8-wide
- * vectors: one weight row at a time for up to 4 short activation rows, blocks of 4 weight rows
- * otherwise), splits the output columns over a small thread pool, and computes every output
+ * vectors: one weight row at a time for up to 4 short activation rows, and on Zen 1 for up to 4
+ * rows of any length, blocks of 4 weight rows otherwise), splits the output columns over a small thread pool, and computes every output
  * element with the same sequence of operations whatever the number of rows: row i of a product
  * is bit-identical to the product of row i alone. So the LLM's logits at a tree node equal those
  * of the same token decoded alone (up to attention).
@@ -643,7 +643,8 @@ long redrafter_screen_tail(long V, const float *s, const float *eps, float offse
 
 /* Changes whenever the kernel's arithmetic or speed does: stored tunes (step costs) name it.
  * 5: our forwards take their MLP activation from redrafter_swiglu (cheaper trees).
- * 6: each weight stream is prefetched (faster at every row count, most at 2-3 rows). */
+ * 6: each weight stream is prefetched (faster at every row count, most at 2-3 rows).
+ * 7: on Zen 1, 2-4 rows with a long K take one weight row at a time (see rows_from_l2). */
 int redrafter_gemm_version(void) { return 7; }
 
 /* The prefetch distance in floats: sets it when floats >= 0 (0: off), returns the one in force. */
