@@ -8,8 +8,10 @@ For each n, on the same prompt cache, times (median of --repeats):
 - ``tree``: our tree forward over a tree of n tokens with W branches (the shape beam search
   produces at width W), same n.
 
-and divides by the plain forward of one token (an AR step without mlx-lm's pipelining). The
-cache is trimmed back after every forward, so every call sees the same past. Writes JSON.
+and divides by the plain forward of one token (an AR step without mlx-lm's pipelining). Rounds
+alternate every n and every form, so the machine's drift hits them alike; the first round is a
+warm-up (shapes, kernels). The cache is trimmed back after every forward, so every call sees the
+same past. Writes JSON.
 
     python bench/verify_cost.py --model ~/.cache/redrafter-mlx/models/qwen2.5-coder-0.5b-instruct
 """
@@ -69,19 +71,15 @@ def main() -> None:
 
     def timed(fn, *inputs: mx.array) -> float:
         n = inputs[0].shape[0]
-        times = []
-        for r in range(args.repeats + 1):
-            tic = time.perf_counter()
-            mx.eval(fn(*inputs))
-            dt = time.perf_counter() - tic
-            for c in cache:
-                c.trim(n)
-            if r:  # the first call is a warm-up (shapes, kernels)
-                times.append(dt)
-        return statistics.median(times) * 1e3
+        tic = time.perf_counter()
+        mx.eval(fn(*inputs))
+        dt = time.perf_counter() - tic
+        for c in cache:
+            c.trim(n)
+        return dt * 1e3
 
-    rows = []
     sizes = [int(s) for s in args.sizes.split(",")]
+    calls = {}  # (n, form) -> (fn, inputs)
     for n in sizes:
         ids = mx.array(rng.integers(0, 30000, n), dtype=mx.int32)
         chain = mx.tril(mx.ones((n, n), dtype=mx.bool_))
@@ -89,18 +87,24 @@ def main() -> None:
         tree = branching_tree(n, args.width)
         t_ids = mx.array(tree.tokens)
         t_pos, t_anc = mx.array(tree.positions(past)), mx.array(tree.ancestor_mask())
-        rows.append(
-            {
-                "n": n,
-                "plain_ms": timed(plain, ids),
-                "chain_ms": timed(tree_forward, ids, pos, chain),
-                "tree_ms": timed(tree_forward, t_ids, t_pos, t_anc),
-            }
-        )
+        calls[n, "plain"] = (plain, (ids,))
+        calls[n, "chain"] = (tree_forward, (ids, pos, chain))
+        calls[n, "tree"] = (tree_forward, (t_ids, t_pos, t_anc))
+    times = {key: [] for key in calls}
+    for r in range(args.repeats + 1):
+        for key, (fn, inputs) in calls.items():
+            dt = timed(fn, *inputs)
+            if r:  # round 0 is the warm-up
+                times[key].append(dt)
+    rows = [
+        {"n": n}
+        | {f"{form}_ms": statistics.median(times[n, form]) for form in ("plain", "chain", "tree")}
+        for n in sizes
+    ]
     one = rows[0]["plain_ms"] if sizes[0] == 1 else None
     info = machine_info()
     print(f"machine: {info}")
-    print(f"past {past} tokens; tree shape: {args.width} branches; median of {args.repeats}")
+    print(f"past {past} tokens; tree shape: {args.width} branches; median of {args.repeats} rounds")
     print(
         f"{'n':>3s} {'plain ms':>9s} {'chain ms':>9s} {'tree ms':>8s} {'tree/plain':>10s} "
         f"{'plain/AR':>9s}"
