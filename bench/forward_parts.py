@@ -25,9 +25,16 @@ import argparse
 import contextlib
 import statistics
 import time
+from functools import partial
 
 import redrafter_mlx  # noqa: F401  (first: loads MKL or OpenBLAS on Linux)
-from redrafter_mlx.benchmark import chain_hidden, machine_info, primed_cache, write_json
+from redrafter_mlx.benchmark import (
+    alternating_rounds,
+    chain_hidden,
+    machine_info,
+    primed_cache,
+    write_json,
+)
 from redrafter_mlx.llm import TreeLLM
 from redrafter_mlx.loading import load
 
@@ -98,13 +105,8 @@ def main() -> None:
         return time.perf_counter() - tic
 
     parts = {"forward": forward, "products": products, "other": other, "swiglu": activation}
-    times: dict[tuple[str, int], list[float]] = {}
-    for r in range(args.rounds + 1):
-        for n in sizes:
-            for name in PARTS:
-                dt = parts[name](n)
-                if r:  # round 0 warms up shapes and kernels
-                    times.setdefault((name, n), []).append(dt)
+    calls = {(name, n): partial(parts[name], n) for n in sizes for name in PARTS}
+    times = alternating_rounds(calls, args.rounds)
     ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
     info = machine_info()

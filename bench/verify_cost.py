@@ -21,9 +21,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import redrafter_mlx  # noqa: F401  (first: loads MKL or OpenBLAS on Linux)
-from redrafter_mlx.benchmark import machine_info, primed_cache, write_json
+from redrafter_mlx.benchmark import alternating_rounds, machine_info, primed_cache, write_json
 from redrafter_mlx.llm import TreeLLM
 from redrafter_mlx.loading import load
 from redrafter_mlx.tree_attention import PackedTree
@@ -79,7 +80,7 @@ def main() -> None:
         return dt * 1e3
 
     sizes = [int(s) for s in args.sizes.split(",")]
-    calls = {}  # (n, form) -> (fn, inputs)
+    calls = {}  # (n, form) -> a timed forward, ms
     for n in sizes:
         ids = mx.array(rng.integers(0, 30000, n), dtype=mx.int32)
         chain = mx.tril(mx.ones((n, n), dtype=mx.bool_))
@@ -87,15 +88,10 @@ def main() -> None:
         tree = branching_tree(n, args.width)
         t_ids = mx.array(tree.tokens)
         t_pos, t_anc = mx.array(tree.positions(past)), mx.array(tree.ancestor_mask())
-        calls[n, "plain"] = (plain, (ids,))
-        calls[n, "chain"] = (tree_forward, (ids, pos, chain))
-        calls[n, "tree"] = (tree_forward, (t_ids, t_pos, t_anc))
-    times = {key: [] for key in calls}
-    for r in range(args.repeats + 1):
-        for key, (fn, inputs) in calls.items():
-            dt = timed(fn, *inputs)
-            if r:  # round 0 is the warm-up
-                times[key].append(dt)
+        calls[n, "plain"] = partial(timed, plain, ids)
+        calls[n, "chain"] = partial(timed, tree_forward, ids, pos, chain)
+        calls[n, "tree"] = partial(timed, tree_forward, t_ids, t_pos, t_anc)
+    times = alternating_rounds(calls, args.repeats)
     rows = [
         {"n": n}
         | {f"{form}_ms": statistics.median(times[n, form]) for form in ("plain", "chain", "tree")}

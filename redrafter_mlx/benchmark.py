@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -26,6 +27,8 @@ from . import _blas
 from .generate import GenerationSummary, StepOutput, prefill
 from .kv_cache import TreeKVCache
 from .llm import TreeLLM
+
+K = TypeVar("K")
 
 
 def linux_chip(cpuinfo: str) -> str | None:
@@ -164,6 +167,18 @@ def chain_hidden(llm: TreeLLM, cache: list[TreeKVCache], past: int, n: int) -> m
     pos = mx.array(past + np.arange(n, dtype=np.int32))
     anc = mx.array(np.tril(np.ones((n, n), dtype=bool)))
     return llm.hidden_states(ids, cache, pos, ancestors=anc)
+
+
+def alternating_rounds(calls: dict[K, Callable[[], float]], rounds: int) -> dict[K, list[float]]:
+    """Each call's results over ``rounds`` rounds, every call once per round in turn, so the
+    machine's drift hits them alike. Round 0 is a warm-up (shapes, kernels) and is dropped."""
+    results: dict[K, list[float]] = {key: [] for key in calls}
+    for r in range(rounds + 1):
+        for key, call in calls.items():
+            value = call()
+            if r:
+                results[key].append(value)
+    return results
 
 
 @dataclass
