@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.sample_utils import make_sampler
 
@@ -75,7 +76,7 @@ class GenerationSummary:
     generation_tokens: int = 0
     generation_time: float = 0.0  # seconds from the first generated token to the last
     steps: int = 0  # verification steps (AR: one per token after the first)
-    peak_memory_gb: float = 0.0
+    peak_memory_gb: float = 0.0  # see stream_autoregressive / _redrafter_steps for what counts
     finish_reason: str | None = None  # "stop" or "length" once finished
     accepted_by_depth: list[int] = field(default_factory=list)  # steps accepting >= d drafts
     lookup_steps: int = 0  # steps that verified a prompt-lookup draft
@@ -249,7 +250,8 @@ def _redrafter_steps(
     # exact (built once per model, before the clock starts).
     screenable = sampling.greedy or ScreenedNucleus.takes(sampling)
     head = GreedyHead.for_model(llm.model) if screenable and head_screen else None
-    # NumPy memory (the screen, an int8 drafter's copies): not in MLX's peak.
+    # The peak is the process's (the LLM's and the drafter's weights, caches, temporaries) plus
+    # NumPy memory that MLX does not count (the screen, an int8 drafter's copies).
     extra_bytes = (head.nbytes if head is not None else 0) + getattr(propose, "nbytes", 0)
     mx.reset_peak_memory()
 
@@ -431,6 +433,14 @@ def _draft(
     return beams, scores
 
 
+def parameter_bytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters, evaluated first so that they are resident (counted once,
+    before a peak is measured, rather than inside it)."""
+    params = [v for _, v in tree_flatten(module.parameters())]
+    mx.eval(params)
+    return sum(v.nbytes for v in params)
+
+
 def stream_autoregressive(
     model: nn.Module,
     prompt: Sequence[int] | mx.array,
@@ -451,6 +461,11 @@ def stream_autoregressive(
         min_tokens_to_keep=sampling.min_tokens_to_keep,
         top_k=sampling.top_k,
     )
+    # The decoding's own peak: the LLM's weights plus what generate_step allocates above what
+    # was resident when it started. Arrays it never touches (in a bench, the drafter's weights)
+    # are left out, as they would be in a process that only runs mlx-lm.
+    weights = parameter_bytes(model)
+    resident = mx.get_active_memory()
     mx.reset_peak_memory()
     tic = last = time.perf_counter()
     gen_start = None
@@ -463,7 +478,7 @@ def stream_autoregressive(
         else:
             summary.steps += 1
             summary.generation_time = now - gen_start
-        summary.peak_memory_gb = mx.get_peak_memory() / 1e9
+        summary.peak_memory_gb = (mx.get_peak_memory() - resident + weights) / 1e9
         yield StepOutput(tokens, StepStats(len(tokens), 0, 1, now - last), summary)
         last = now
         if summary.finish_reason:
