@@ -33,6 +33,7 @@ from redrafter_mlx.benchmark import (
     chain_hidden,
     machine_info,
     primed_cache,
+    timed_on_cache,
     write_json,
 )
 from redrafter_mlx.llm import TreeLLM
@@ -78,12 +79,7 @@ def main() -> None:
     n_layers = len(layers)
 
     def forward(n: int) -> float:
-        tic = time.perf_counter()
-        mx.eval(chain_hidden(llm, cache, past, n))
-        dt = time.perf_counter() - tic
-        for c in cache:
-            c.trim(n)
-        return dt
+        return timed_on_cache(cache, n, lambda: mx.eval(chain_hidden(llm, cache, past, n)))[0]
 
     def products(n: int) -> float:
         xs = {k: mx.random.normal((1, n, k)) for k in {lin.weight.shape[1] for lin in linears}}

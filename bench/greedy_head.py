@@ -18,7 +18,7 @@ import statistics
 import time
 
 import redrafter_mlx  # noqa: F401  (first: loads MKL or OpenBLAS on Linux)
-from redrafter_mlx.benchmark import machine_info, primed_cache, write_json
+from redrafter_mlx.benchmark import machine_info, primed_cache, timed_on_cache, write_json
 from redrafter_mlx.greedy_head import GreedyHead
 from redrafter_mlx.llm import TreeLLM
 from redrafter_mlx.loading import load
@@ -48,26 +48,20 @@ def main() -> None:
 
     def step(ids: mx.array, mode: str) -> tuple[float, np.ndarray | None]:
         n = ids.shape[0]
-        tic = time.perf_counter()
-        hidden = llm.hidden_states(
-            ids,
-            cache,
-            mx.arange(past, past + n, dtype=mx.int32),
-            ancestors=mx.tril(mx.ones((n, n), dtype=mx.bool_)),
-        )
-        targets = None
-        if mode == "full":
-            t, _ = greedy_targets(llm.logits(hidden))
-            targets = np.array(t)
-        elif mode == "screen":
+
+        def run() -> np.ndarray | None:
+            hidden = llm.hidden_states(
+                ids,
+                cache,
+                mx.arange(past, past + n, dtype=mx.int32),
+                ancestors=mx.tril(mx.ones((n, n), dtype=mx.bool_)),
+            )
+            if mode == "full":
+                return np.array(greedy_targets(llm.logits(hidden))[0])
             mx.eval(hidden)
-            targets = head.targets(hidden)[0]
-        else:
-            mx.eval(hidden)
-        dt = time.perf_counter() - tic
-        for c in cache:
-            c.trim(n)
-        return dt, targets
+            return head.targets(hidden)[0] if mode == "screen" else None
+
+        return timed_on_cache(cache, n, run)
 
     rows = []
     for n in (int(s) for s in args.sizes.split(",")):

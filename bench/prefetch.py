@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import redrafter_mlx  # noqa: F401  (first: loads MKL or OpenBLAS on Linux)
 from redrafter_mlx import _blas
-from redrafter_mlx.benchmark import chain_hidden, machine_info, primed_cache, write_json
+from redrafter_mlx.benchmark import (
+    chain_hidden,
+    machine_info,
+    primed_cache,
+    timed_on_cache,
+    write_json,
+)
 from redrafter_mlx.llm import TreeLLM
 from redrafter_mlx.loading import load
 
@@ -43,12 +48,12 @@ def main() -> None:
     cache, past = primed_cache(llm, tokenizer)
 
     def forward(n: int) -> tuple[float, np.ndarray]:
-        tic = time.perf_counter()
-        logits = llm.logits(chain_hidden(llm, cache, past, n))
-        mx.eval(logits)
-        dt = time.perf_counter() - tic
-        for c in cache:
-            c.trim(n)
+        def run() -> mx.array:
+            logits = llm.logits(chain_hidden(llm, cache, past, n))
+            mx.eval(logits)
+            return logits
+
+        dt, logits = timed_on_cache(cache, n, run)
         return dt, np.array(logits)
 
     times: dict[tuple[int, int], list[float]] = {}

@@ -20,11 +20,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from functools import partial
 
 import redrafter_mlx  # noqa: F401  (first: loads MKL or OpenBLAS on Linux)
-from redrafter_mlx.benchmark import alternating_rounds, machine_info, primed_cache, write_json
+from redrafter_mlx.benchmark import (
+    alternating_rounds,
+    machine_info,
+    primed_cache,
+    timed_on_cache,
+    write_json,
+)
 from redrafter_mlx.llm import TreeLLM
 from redrafter_mlx.loading import load
 from redrafter_mlx.tree_attention import PackedTree
@@ -71,13 +76,7 @@ def main() -> None:
         return llm.logits(llm.hidden_states(ids, cache, pos, ancestors=anc))  # [n, V]
 
     def timed(fn, *inputs: mx.array) -> float:
-        n = inputs[0].shape[0]
-        tic = time.perf_counter()
-        mx.eval(fn(*inputs))
-        dt = time.perf_counter() - tic
-        for c in cache:
-            c.trim(n)
-        return dt * 1e3
+        return timed_on_cache(cache, inputs[0].shape[0], lambda: mx.eval(fn(*inputs)))[0] * 1e3
 
     sizes = [int(s) for s in args.sizes.split(",")]
     calls = {}  # (n, form) -> a timed forward, ms

@@ -14,6 +14,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
@@ -29,6 +30,7 @@ from .kv_cache import TreeKVCache
 from .llm import TreeLLM
 
 K = TypeVar("K")
+R = TypeVar("R")
 
 
 def linux_chip(cpuinfo: str) -> str | None:
@@ -167,6 +169,18 @@ def chain_hidden(llm: TreeLLM, cache: list[TreeKVCache], past: int, n: int) -> m
     pos = mx.array(past + np.arange(n, dtype=np.int32))
     anc = mx.array(np.tril(np.ones((n, n), dtype=bool)))
     return llm.hidden_states(ids, cache, pos, ancestors=anc)
+
+
+def timed_on_cache(cache: list[TreeKVCache], n: int, run: Callable[[], R]) -> tuple[float, R]:
+    """Seconds ``run`` takes (a forward of ``n`` new tokens into ``cache`` that evaluates what it
+    returns) and its result; the ``n`` tokens are then trimmed off, so every call sees the same
+    context (the one :func:`primed_cache` holds)."""
+    tic = time.perf_counter()
+    out = run()
+    dt = time.perf_counter() - tic
+    for c in cache:
+        c.trim(n)
+    return dt, out
 
 
 def alternating_rounds(calls: dict[K, Callable[[], float]], rounds: int) -> dict[K, list[float]]:
