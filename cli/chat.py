@@ -9,6 +9,7 @@ from rich.console import Console
 
 from .common import (
     DrafterOpt,
+    FullHeadOpt,
     LengthOpt,
     LookupOpt,
     MaxTokensOpt,
@@ -47,6 +48,7 @@ class Session:
         system=None,
         budget=None,
         lookup=0,
+        head_screen=True,
     ):
         from redrafter_mlx.beam_search import make_proposer
         from redrafter_mlx.llm import TreeLLM
@@ -62,7 +64,7 @@ class Session:
         )
         # One budget for the session: its calibration carries over from reply to reply.
         self.budget = budget if drafter is not None else None
-        self.lookup = lookup
+        self.lookup, self.head_screen = lookup, head_screen
         self.sampling, self.max_tokens = sampling, max_tokens
         self.system = system
         self.context = int(getattr(llm.args, "max_position_embeddings", 0) or 0)
@@ -111,6 +113,7 @@ class Session:
                 budget=self.budget,
                 lookup=self.lookup,
                 history=ids[: len(ids) - len(new)],  # the earlier turns, for prompt lookup
+                head_screen=self.head_screen,
             )
         detok = self.tokenizer.detokenizer
         detok.reset()
@@ -166,6 +169,7 @@ def chat(
     prune: PruneOpt = None,
     lookup: LookupOpt = 2,
     no_draft: NoDraftOpt = False,
+    full_head: FullHeadOpt = False,
     system: Annotated[str | None, typer.Option("--system", help="A system prompt.")] = None,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -189,7 +193,17 @@ def chat(
         sampling = SamplingParams(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
         budget = tree_budget(model_dir, drafter_dir, llm, draft_model, W, L, prune)
         session = Session(
-            llm, tokenizer, draft_model, W, L, sampling, max_tokens, system, budget, lookup
+            llm,
+            tokenizer,
+            draft_model,
+            W,
+            L,
+            sampling,
+            max_tokens,
+            system,
+            budget,
+            lookup,
+            head_screen=not full_head,
         )
         ar_rate = settings.get(model_dir, "ar_tokens_per_s")
         if ar_rate is None and not no_draft:

@@ -9,6 +9,7 @@ import typer
 
 from .common import (
     DrafterOpt,
+    FullHeadOpt,
     LengthOpt,
     LookupOpt,
     MaxTokensOpt,
@@ -50,6 +51,7 @@ def generate(
     prune: PruneOpt = None,
     lookup: LookupOpt = 2,
     no_draft: NoDraftOpt = False,
+    full_head: FullHeadOpt = False,
     ignore_chat_template: Annotated[
         bool, typer.Option("--ignore-chat-template", help="Feed the prompt as raw text.")
     ] = False,
@@ -91,6 +93,7 @@ def generate(
                 beam_length=L,
                 budget=budget,
                 lookup=lookup,
+                head_screen=not full_head,
                 **kw,
             )
         detok = tokenizer.detokenizer
@@ -118,6 +121,7 @@ def generate(
             prune=budget is not None,
             lookup=0 if no_draft else lookup,
             no_draft=no_draft,
+            full_head=full_head,
             max_tokens=max_tokens,
         )
         print(

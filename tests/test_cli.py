@@ -638,3 +638,37 @@ def test_chat_and_generate_prune_as_tune_found(
         assert r.exit_code == 0, r.output
         out = json.loads(r.output)
         assert out["settings"]["prune"] is pruned and out["token_ids"] == plain["token_ids"]
+
+
+def test_full_head_turns_the_screen_off_with_the_same_output(
+    tiny_llm_dir, random_drafter_dir, monkeypatch
+):
+    """``--full-head`` (generate and chat) trades the int8 screen's memory for speed: the
+    engine is asked for no screen, and the tokens are the same."""
+    import redrafter_mlx.generate
+    from redrafter_mlx.drafter import Drafter
+    from redrafter_mlx.loading import load
+    from redrafter_mlx.verification import SamplingParams
+
+    from redrafter_cli.chat import Session
+
+    asked = []
+    original = redrafter_mlx.generate.stream_redrafter
+
+    def recorded(*args, **kwargs):
+        asked.append(kwargs["head_screen"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(redrafter_mlx.generate, "stream_redrafter", recorded)
+    common = ("--model", tiny_llm_dir, "--drafter", random_drafter_dir, "-p", "the cat", "--json")
+    screened = json.loads(invoke("generate", *common, "-m", "12").output)
+    full = json.loads(invoke("generate", *common, "-m", "12", "--full-head").output)
+    assert asked == [True, False]
+    assert full["token_ids"] == screened["token_ids"] and full["settings"]["full_head"] is True
+
+    model, tokenizer, _ = load(tiny_llm_dir)
+    drafter = Drafter.from_pretrained(random_drafter_dir)
+    on = Session(model, tokenizer, drafter, 1, 3, SamplingParams(), 8)
+    off = Session(model, tokenizer, drafter, 1, 3, SamplingParams(), 8, head_screen=False)
+    assert "".join(off.reply("the cat")) == "".join(on.reply("the cat"))
+    assert asked[2:] == [False, True]
