@@ -290,7 +290,7 @@ def bench(
             if grid
             else [defaults(model_dir, drafter_dir, entry, beam_width, beam_length)]
         )
-        llm, tokenizer, draft_model = load(model_dir, drafter_dir)
+        llm, tokenizer, draft_model = load(model_dir, drafter_dir, cast_drafter=False)
         ids = load_prompts(prompts, tokenizer)
         sampling = SamplingParams(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
         info = machine_info()
@@ -376,7 +376,7 @@ def tune(
 
         model_dir, drafter_dir, entry = resolve(model, drafter, no_draft=False)
         configs = parse_grid(grid)
-        llm, tokenizer, draft_model = load(model_dir, drafter_dir)
+        llm, tokenizer, draft_model = load(model_dir, drafter_dir, cast_drafter=False)
         ids = load_prompts(prompts, tokenizer)
         summary, _ = run_bench(
             llm,

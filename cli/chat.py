@@ -52,12 +52,19 @@ class Session:
     ):
         from redrafter_mlx.beam_search import make_proposer
         from redrafter_mlx.llm import TreeLLM
+        from redrafter_mlx.loading import compute_dtype
 
         self.model, self.tokenizer = llm, tokenizer
         self.tree_llm = TreeLLM(llm) if drafter is not None else None
         self.propose = (
             make_proposer(
-                drafter, self.tree_llm.embed, W, L, with_scores=budget is not None, int8=True
+                drafter,
+                self.tree_llm.embed,
+                W,
+                L,
+                with_scores=budget is not None,
+                int8=True,
+                dtype=compute_dtype(llm),
             )
             if drafter is not None
             else None
@@ -185,7 +192,7 @@ def chat(
         model_dir, drafter_dir, entry = resolve(model, drafter, no_draft)
         W, L = defaults(model_dir, drafter_dir, entry, beam_width, beam_length)
         with console.status(f"loading {model_dir.name}"):
-            llm, tokenizer, draft_model = load(model_dir, drafter_dir)
+            llm, tokenizer, draft_model = load(model_dir, drafter_dir, cast_drafter=False)
         if tokenizer.chat_template is None:
             raise ValueError(f"{model_dir} has no chat template; use `redrafter generate`")
         if seed is not None:

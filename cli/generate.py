@@ -69,7 +69,7 @@ def generate(
         text = read_prompt(prompt)
         model_dir, drafter_dir, entry = resolve(model, drafter, no_draft)
         W, L = defaults(model_dir, drafter_dir, entry, beam_width, beam_length)
-        llm, tokenizer, draft_model = load(model_dir, drafter_dir)
+        llm, tokenizer, draft_model = load(model_dir, drafter_dir, cast_drafter=False)
         sampling = SamplingParams(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
         if seed is not None:
             mx.random.seed(seed)

@@ -127,6 +127,7 @@ def make_proposer(
     compiled: bool = True,
     with_scores: bool = False,
     int8: bool = False,
+    dtype: mx.Dtype | None = None,
 ) -> Proposer:
     """A proposer that runs :func:`beam_search` with fixed beam shape.
 
@@ -137,6 +138,12 @@ def make_proposer(
     the drafter's weights (:mod:`redrafter_mlx.drafter_int8`; a quarter of the bytes, drafts
     that may differ where the drafter's logits nearly tie). The copies are taken now: use it
     for generation, not while the drafter is being trained.
+
+    ``dtype`` (the LLM's compute dtype): the drafter is cast to it, in place, if and only if
+    the search runs in floating point. The int8 copies read float16 weights exactly, so a
+    shipped float16 drafter drafting that way stays float16 (half the resident bytes of a
+    float32 cast); a float search beside a float32 LLM needs the cast (the CPU runs float16
+    products several times slower).
 
     ``compiled`` traces the search once per input shape with ``mx.compile``, which fuses its
     many small element-wise ops (log-softmax, scores, gathers) into fewer kernels. The drafter's
@@ -150,6 +157,8 @@ def make_proposer(
         one_beam = Int8OneBeam.for_drafter(drafter, embed, length)
         if one_beam is not None:
             return one_beam
+    if dtype is not None and drafter.dtype != dtype:
+        drafter.set_dtype(dtype)
 
     def propose(hidden: mx.array, g0: mx.array) -> mx.array | tuple[mx.array, mx.array]:
         beams = beam_search(drafter, embed, hidden, g0, width, length, top_k=top_k)

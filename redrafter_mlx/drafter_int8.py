@@ -23,6 +23,9 @@ import numpy as np
 from . import _blas
 from .drafter import Drafter
 
+#: Weight dtypes that widen to float32 exactly.
+FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
 
 class Int8Linear:
     """``x @ W.T + b`` with W in int8 (one scale per row) and x rounded to int16 per row."""
@@ -32,16 +35,21 @@ class Int8Linear:
 
     @classmethod
     def from_linear(cls, layer: nn.Module) -> Int8Linear | None:
-        """From a float32 ``nn.Linear`` the kernel computes here; None otherwise."""
-        if type(layer) is not nn.Linear or layer.weight.dtype != mx.float32:
+        """From a floating-point ``nn.Linear`` the kernel computes here; None otherwise.
+
+        The copy is taken from the weights in float32, which float16 and bfloat16 widen to
+        exactly: a shipped float16 drafter gives the very copy its float32 cast would, so it
+        need not be cast (and kept resident at twice the bytes) to draft this way."""
+        if type(layer) is not nn.Linear or layer.weight.dtype not in FLOAT_DTYPES:
             return None
         n, k = layer.weight.shape
         if not _blas.kernel_takes(1, n, k):
             return None
-        quantized = _blas.head_quantize(np.ascontiguousarray(np.array(layer.weight)))
+        weight = np.array(layer.weight.astype(mx.float32))
+        quantized = _blas.head_quantize(np.ascontiguousarray(weight))
         if quantized is None:  # a non-finite weight
             return None
-        bias = np.array(layer.bias, dtype=np.float32) if "bias" in layer else None
+        bias = np.array(layer.bias.astype(mx.float32)) if "bias" in layer else None
         return cls(quantized[0], quantized[1], bias)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
@@ -78,7 +86,7 @@ class Int8OneBeam:
         cls, drafter: Drafter, embed: Callable[[mx.array], mx.array], length: int
     ) -> Int8OneBeam | None:
         """None where any of the drafter's products would not run in the kernel here (not
-        Linux x86-64, float16 or quantized weights, a dimension below the kernel's minimum)."""
+        Linux x86-64, quantized weights, a dimension below the kernel's minimum)."""
         if length < 2:
             raise ValueError(f"a beam holds the root and >= 1 drafted token, got length {length}")
         n = drafter.config.num_draft_layers

@@ -42,7 +42,7 @@ from .drafter import Drafter
 from .greedy_head import GreedyHead
 from .kv_cache import TreeKVCache
 from .llm import TreeLLM
-from .loading import check_compatible, match_dtype
+from .loading import check_compatible, compute_dtype, match_dtype
 from .nucleus_screen import ScreenedNucleus, screen_pays
 from .prompt_lookup import DEFAULT_MIN_NGRAM, LONGEST_NGRAM, PromptLookup
 from .tree_attention import pack_beams
@@ -513,11 +513,11 @@ def stream_generate(
     with prompt lookup on by default (``lookup=0`` turns it off).
 
     A ``budget`` may be shared by many calls (a chat session): its calibration carries over.
-    The drafter is cast to the LLM's dtype in place, as :func:`~redrafter_mlx.loading.load`
-    does (``Drafter.from_pretrained`` alone keeps a shipped drafter's float16).
+    The drafter is cast to the LLM's dtype in place where it drafts in floating point; the
+    int8 one-beam drafts (W=1 without a budget, where the few-row kernel runs) read a shipped
+    drafter's float16 as it is, so it stays float16 (see ``dtype`` in :func:`make_proposer`).
     """
     check_compatible(drafter, model)
-    match_dtype(drafter, model)
     llm = TreeLLM(model)
     propose = make_proposer(
         drafter,
@@ -527,5 +527,6 @@ def stream_generate(
         top_k=draft_top_k,
         with_scores=budget is not None,
         int8=True,
+        dtype=compute_dtype(model),
     )
     return stream_redrafter(llm, propose, prompt, budget=budget, lookup=lookup, **kwargs)

@@ -56,10 +56,13 @@ def match_dtype(drafter: Drafter, model: nn.Module) -> None:
         drafter.set_dtype(dtype)
 
 
-def load(model_path: str | Path, drafter_path: str | Path | None = None):
+def load(model_path: str | Path, drafter_path: str | Path | None = None, cast_drafter: bool = True):
     """Load ``(model, tokenizer, drafter)``; drafter is None when no path is given.
 
-    The drafter computes in the LLM's dtype (:func:`match_dtype`).
+    The drafter computes in the LLM's dtype (:func:`match_dtype`), or with ``cast_drafter=False``
+    keeps the dtype it was saved in until generation needs another (``stream_generate`` casts
+    it only where it drafts in floating point: a shipped float16 drafter drafting from int8
+    copies stays float16, half the resident bytes).
     """
     from mlx_lm import load as mlx_lm_load
 
@@ -74,5 +77,6 @@ def load(model_path: str | Path, drafter_path: str | Path | None = None):
     if drafter_path is not None:
         drafter = Drafter.from_pretrained(drafter_path)
         check_compatible(drafter, model, where=str(drafter_path))
-        match_dtype(drafter, model)
+        if cast_drafter:
+            match_dtype(drafter, model)
     return model, tokenizer, drafter

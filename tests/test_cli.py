@@ -532,6 +532,9 @@ def test_float16_drafter_computes_in_the_llms_dtype(tiny_llm_dir, tmp_path):
     for name, w in tree_flatten(drafter.parameters()):
         assert w.dtype == mx.float32
         assert mx.array_equal(w, stored[name].astype(mx.float32)), name
+    # generate, chat and bench keep it as stored: generation casts it only to draft in float.
+    _, _, kept = load(tiny_llm_dir, folder, cast_drafter=False)
+    assert kept.dtype == mx.float16
 
 
 def test_a_stored_tune_holds_only_for_its_drafter_weights_blas_and_cpu(

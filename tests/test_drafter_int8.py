@@ -44,13 +44,26 @@ def test_int8_linear_is_the_integer_product_it_claims(bias):
 
 def test_layers_it_must_not_copy():
     assert Int8Linear.from_linear(nn.Linear(64, 300)) is None  # K < 128: not the kernel's
-    half = nn.Linear(200, 300)
-    half.set_dtype(mx.float16)
-    assert Int8Linear.from_linear(half) is None
     assert Int8Linear.from_linear(nn.QuantizedLinear(256, 300)) is None
     broken = nn.Linear(200, 300)
     broken.weight = mx.where(mx.arange(300)[:, None] == 7, mx.inf, broken.weight)
     assert Int8Linear.from_linear(broken) is None
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_a_half_precision_layer_gives_its_float32_casts_copy(dtype):
+    half = nn.Linear(200, 300)
+    half.set_dtype(dtype)
+    mx.eval(half.parameters())
+    wide = nn.Linear(200, 300)
+    wide.update(half.parameters())
+    wide.set_dtype(mx.float32)
+    got, want = Int8Linear.from_linear(half), Int8Linear.from_linear(wide)
+    assert got is not None and half.weight.dtype == dtype  # copied, not cast in place
+    np.testing.assert_array_equal(got.q, want.q)
+    np.testing.assert_array_equal(got.scale, want.scale)
+    np.testing.assert_array_equal(got.bias, want.bias)
+    assert got.bias.dtype == np.float32
 
 
 @pytest.mark.parametrize("rnn,vocab", [(True, None), (False, None), (True, "draft")])
@@ -121,10 +134,12 @@ def test_engine_with_int8_drafts_equals_mlx_lm(family, lookup):
     assert accepted > 0  # drafts were accepted: the test exercises them
 
 
-def test_a_float16_drafter_drafts_in_the_llms_dtype(monkeypatch):
-    """Drafter.from_pretrained keeps a shipped drafter's float16; beside a float32 LLM,
-    stream_generate casts it (as load does), so the int8 one-beam drafts apply instead of a
-    float16 search, which the CPU runs several times slower. Same tokens as mlx-lm."""
+def test_a_float16_drafter_stays_float16_where_it_drafts_from_int8_copies(monkeypatch):
+    """Drafter.from_pretrained keeps a shipped drafter's float16 (as does load with
+    cast_drafter=False). Beside a float32 LLM, stream_generate drafts one beam from int8 copies
+    of it as it is (the same copies its float32 cast gives), so it stays float16: half the
+    resident bytes. A float beam search (W=2) casts it, since the CPU runs float16 products
+    several times slower. Same tokens as mlx-lm either way."""
     model = tiny_llm("qwen2", vocab_size=64, hidden_size=128, seed=3)
     drafter = repeating_drafter(model, seed=5)
     drafter.set_dtype(mx.float16)
@@ -140,5 +155,8 @@ def test_a_float16_drafter_drafts_in_the_llms_dtype(monkeypatch):
     want = [t for o in stream_autoregressive(model, prompt, max_tokens=24) for t in o.tokens]
     outs = stream_generate(model, drafter, prompt, beam_width=1, beam_length=3, max_tokens=24)
     assert [t for o in outs for t in o.tokens] == want
-    assert drafter.dtype == mx.float32
+    assert drafter.dtype == mx.float16
     assert built and isinstance(built[0], Int8OneBeam)
+    outs = stream_generate(model, drafter, prompt, beam_width=2, beam_length=3, max_tokens=24)
+    assert [t for o in outs for t in o.tokens] == want
+    assert drafter.dtype == mx.float32
