@@ -23,7 +23,6 @@ import types
 from pathlib import Path
 
 import redrafter_mlx  # noqa: F401  (first: loads MKL or OpenBLAS on Linux)
-from redrafter_mlx import registry
 from redrafter_mlx.beam_search import beam_search
 from redrafter_mlx.benchmark import humaneval_prompts, machine_info, write_json
 from redrafter_mlx.llm import TreeLLM
@@ -35,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 from drafter_card import answers, cache_file
 from lookup_replay import matched
+from paired import shipped
 
 BITS = 18  # token ids below 2^18 (Qwen2.5: 151936): a continuation packs exactly into an int64
 HASH = np.uint64(0x9E3779B97F4A7C15)
@@ -120,9 +120,7 @@ def main() -> None:
     ap.add_argument("--count", default="2,5", help="least count of the continuation, each")
     ap.add_argument("--out", default="bench/results/datastore_replay.json")
     args = ap.parse_args()
-    model_dir, entry = registry.resolve_model(args.model)
-    if entry is None or entry.drafter_dir is None:
-        ap.error(f"{args.model} has no shipped drafter to replay")
+    model_dir, entry = shipped(ap, args.model)
     model, tokenizer, drafter = load(model_dir, entry.drafter_dir)
     embed = TreeLLM(model).embed
     prompts = [tokenizer.encode(p) for p in humaneval_prompts(args.problems)]

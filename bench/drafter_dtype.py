@@ -14,15 +14,15 @@ resident: ``redrafter generate --json`` reports them, one process each.)
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import redrafter_mlx  # noqa: F401  (first: loads MKL or OpenBLAS on Linux)
-from redrafter_mlx import generate, registry
-from redrafter_mlx.benchmark import consume, load_prompts, machine_info, write_json
+from redrafter_mlx import generate
+from redrafter_mlx.benchmark import load_prompts
 from redrafter_mlx.drafter import Drafter
 from redrafter_mlx.loading import load
 
 import mlx.core as mx
+from paired import in_pairs, report, shipped
 
 
 def main() -> None:
@@ -34,13 +34,10 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/drafter_dtype.json")
     args = ap.parse_args()
 
-    model_dir, entry = registry.resolve_model(args.model)
-    if entry is None or entry.drafter_dir is None:
-        ap.error(f"{args.model} has no shipped drafter")
+    model_dir, entry = shipped(ap, args.model)
     model, tokenizer, kept = load(model_dir, entry.drafter_dir, cast_drafter=False)
     cast = Drafter.from_pretrained(entry.drafter_dir)
     cast.set_dtype(mx.float32)
-    drafters = {"kept": kept, "cast": cast}
     print(f"stored drafter dtype: {kept.dtype}", flush=True)
     kw = dict(
         beam_width=entry.beam_width,
@@ -48,37 +45,15 @@ def main() -> None:
         max_tokens=args.max_tokens,
         stop_tokens=set(tokenizer.eos_token_ids),
     )
-    rows = []
-    for i, ids in enumerate(load_prompts(args.prompts, tokenizer)):
-        runs: dict[str, list] = {"kept": [], "cast": []}
-        for p in range(args.pairs):
-            for name in ("kept", "cast") if p % 2 == 0 else ("cast", "kept"):
-                stream = generate.stream_generate(model, drafters[name], ids, **kw)
-                runs[name].append(consume(name, i, stream))
-        tps = {k: [r.generation_tps for r in v] for k, v in runs.items()}
-        row = {
-            "prompt": i,
-            "kept_dtype": str(kept.dtype),
-            "kept_tps": statistics.median(tps["kept"]),
-            "cast_tps": statistics.median(tps["cast"]),
-            "kept_won": sum(k > c for k, c in zip(tps["kept"], tps["cast"], strict=True)),
-            "identical": all(r.tokens == runs["cast"][0].tokens for v in runs.values() for r in v),
-        }
-        row["ratio"] = row["kept_tps"] / row["cast_tps"]
-        rows.append(row)
-        print(
-            f"prompt #{i}: kept {row['kept_tps']:.2f}, cast {row['cast_tps']:.2f} tokens/s: "
-            f"{row['ratio']:.3f}x, kept won {row['kept_won']}/{args.pairs}, identical "
-            f"{row['identical']}",
-            flush=True,
-        )
-    info = machine_info()
-    median = statistics.median(r["ratio"] for r in rows)
-    won = sum(r["kept_won"] for r in rows)
-    print(f"machine: {info}")
-    print(f"kept vs cast: median ratio {median:.3f}x, {won}/{args.pairs * len(rows)} pairs won")
-    write_json(args.out, {"machine": info, "args": vars(args), "rows": rows, "median": median})
-    print(f"wrote {args.out}")
+    decoders = {
+        name: (lambda ids, d=drafter: generate.stream_generate(model, d, ids, **kw))
+        for name, drafter in (("cast", cast), ("kept", kept))
+    }
+    prompts = load_prompts(args.prompts, tokenizer)
+    rows = in_pairs(prompts, decoders, args.pairs, f"{kept.dtype} kept vs float32 cast")
+    for row in rows:
+        row["kept_dtype"] = str(kept.dtype)
+    report(rows, args, f"kept vs cast on {args.prompts}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -69,9 +70,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/paired.json")
     args = ap.parse_args()
 
-    model_dir, entry = registry.resolve_model(args.model)
-    if entry is None or entry.drafter_dir is None:
-        ap.error(f"{args.model} has no shipped drafter to decode with")
+    model_dir, entry = shipped(ap, args.model)
     model, tokenizer, drafter = load(model_dir, entry.drafter_dir)
     prompts = load_prompts(args.prompts, tokenizer)
     kw = dict(
@@ -83,42 +82,69 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory() as tmp:
         engines = {"rev": loop_at(args.against, Path(tmp)), "tree": generate}
-        rows = []
-        for i, ids in enumerate(prompts):
-            runs: dict[str, list] = {"rev": [], "tree": []}
-            for p in range(args.pairs):
-                for name in ("rev", "tree") if p % 2 == 0 else ("tree", "rev"):
-                    stream = engines[name].stream_generate(model, drafter, ids, **kw)
-                    runs[name].append(consume(name, i, stream))
-            tps = {k: [r.generation_tps for r in v] for k, v in runs.items()}
-            row = {
-                "prompt": i,
-                "rev_tps": statistics.median(tps["rev"]),
-                "tree_tps": statistics.median(tps["tree"]),
-                "rev_tokens_per_step": statistics.median(r.tokens_per_step for r in runs["rev"]),
-                "tree_tokens_per_step": statistics.median(r.tokens_per_step for r in runs["tree"]),
-                "tree_won": sum(t > r for r, t in zip(tps["rev"], tps["tree"], strict=True)),
-                "identical": all(
-                    r.tokens == runs["rev"][0].tokens for r in runs["rev"] + runs["tree"]
-                ),
-            }
-            row["ratio"] = row["tree_tps"] / row["rev_tps"]
-            rows.append(row)
-            print(
-                f"prompt #{i}: {args.against} {row['rev_tps']:.2f} tokens/s "
-                f"({row['rev_tokens_per_step']:.2f}/step), working tree {row['tree_tps']:.2f} "
-                f"({row['tree_tokens_per_step']:.2f}/step): {row['ratio']:.3f}x, won "
-                f"{row['tree_won']}/{args.pairs}, identical {row['identical']}",
-                flush=True,
-            )
+        decoders = {
+            name: (lambda ids, e=engine: e.stream_generate(model, drafter, ids, **kw))
+            for name, engine in engines.items()
+        }
+        rows = in_pairs(prompts, decoders, args.pairs, f"{args.against} vs working tree")
+    report(rows, args, f"working tree vs {args.against} on {args.prompts}")
+
+
+def shipped(ap: argparse.ArgumentParser, model: str | None) -> tuple[Path, registry.ModelEntry]:
+    """A registered model's folder and entry (default: the demo); an argparse error if it has
+    no shipped drafter."""
+    model_dir, entry = registry.resolve_model(model)
+    if entry is None or entry.drafter_dir is None:
+        ap.error(f"{model} has no shipped drafter")
+    return model_dir, entry
+
+
+def in_pairs(
+    prompts: list[list[int]],
+    decoders: dict[str, Callable[[list[int]], Iterator]],
+    pairs: int,
+    label: str,
+) -> list[dict]:
+    """Two decoders (``{name: ids -> stream}``, the first the reference) on each prompt,
+    ``pairs`` runs each, their order alternating; one row per prompt, printed as it ends: both
+    medians of tokens/s and tokens per step, the ratio (second over first), how many pairs the
+    second won, and whether every run gave the first run's tokens."""
+    a, b = decoders
+    rows = []
+    for i, ids in enumerate(prompts):
+        runs: dict[str, list] = {a: [], b: []}
+        for p in range(pairs):
+            for name in (a, b) if p % 2 == 0 else (b, a):
+                runs[name].append(consume(name, i, decoders[name](ids)))
+        tps = {k: [r.generation_tps for r in v] for k, v in runs.items()}
+        row = {
+            "prompt": i,
+            f"{a}_tps": statistics.median(tps[a]),
+            f"{b}_tps": statistics.median(tps[b]),
+            f"{a}_tokens_per_step": statistics.median(r.tokens_per_step for r in runs[a]),
+            f"{b}_tokens_per_step": statistics.median(r.tokens_per_step for r in runs[b]),
+            f"{b}_won": sum(y > x for x, y in zip(tps[a], tps[b], strict=True)),
+            "identical": all(r.tokens == runs[a][0].tokens for r in runs[a] + runs[b]),
+        }
+        row["ratio"] = row[f"{b}_tps"] / row[f"{a}_tps"]
+        rows.append(row)
+        print(
+            f"prompt #{i} ({label}): {a} {row[f'{a}_tps']:.2f} tokens/s "
+            f"({row[f'{a}_tokens_per_step']:.2f}/step), {b} {row[f'{b}_tps']:.2f} "
+            f"({row[f'{b}_tokens_per_step']:.2f}/step): {row['ratio']:.3f}x, won "
+            f"{row[f'{b}_won']}/{pairs}, identical {row['identical']}",
+            flush=True,
+        )
+    return rows
+
+
+def report(rows: list[dict], args: argparse.Namespace, label: str) -> None:
+    """Print the machine and the median ratio over prompts with the pairs won; write JSON."""
     info = machine_info()
-    won = sum(r["tree_won"] for r in rows)
+    won = sum(v for r in rows for k, v in r.items() if k.endswith("_won"))
     median = statistics.median(r["ratio"] for r in rows)
     print(f"machine: {info}")
-    print(
-        f"working tree vs {args.against} on {args.prompts}: median ratio "
-        f"{median:.3f}x, {won}/{args.pairs * len(rows)} pairs won"
-    )
+    print(f"{label}: median ratio {median:.3f}x, {won}/{args.pairs * len(rows)} pairs won")
     write_json(args.out, {"machine": info, "args": vars(args), "rows": rows, "median": median})
     print(f"wrote {args.out}")
 
