@@ -42,7 +42,7 @@ from .drafter import Drafter
 from .greedy_head import GreedyHead
 from .kv_cache import TreeKVCache
 from .llm import TreeLLM
-from .loading import check_compatible, compute_dtype, match_dtype
+from .loading import check_compatible, compute_dtype
 from .nucleus_screen import ScreenedNucleus, screen_pays
 from .prompt_lookup import DEFAULT_MIN_NGRAM, LONGEST_NGRAM, PromptLookup
 from .tree_attention import pack_beams
@@ -489,9 +489,11 @@ def step_cost(model: nn.Module, drafter: Drafter, beam_width: int, beam_length: 
     """Seconds of a step verifying 1 .. 1 + W (L - 1) tokens, measured here, on the stream
     generation runs on: the ``step_cost`` of a :class:`~redrafter_mlx.tree_budget.TreeBudget`."""
     check_compatible(drafter, model)
-    match_dtype(drafter, model)  # the dtype generation drafts in (see stream_generate)
     llm = TreeLLM(model)
-    propose = make_proposer(drafter, llm.embed, beam_width, beam_length, with_scores=True)
+    # Scored beams are a float search: cast as stream_generate's pruned runs are.
+    propose = make_proposer(
+        drafter, llm.embed, beam_width, beam_length, with_scores=True, dtype=compute_dtype(model)
+    )
     head = GreedyHead.for_model(model)
     with mx.stream(generation_stream):
         return measure_step_cost(llm, propose, 1 + beam_width * (beam_length - 1), head=head)

@@ -8,7 +8,12 @@ import redrafter_mlx  # noqa: F401  (first: loads the kernel and the BLAS)
 from redrafter_mlx import _blas
 from redrafter_mlx.beam_search import beam_search, make_proposer
 from redrafter_mlx.drafter_int8 import Int8Linear, Int8OneBeam
-from redrafter_mlx.generate import stream_autoregressive, stream_generate, stream_redrafter
+from redrafter_mlx.generate import (
+    step_cost,
+    stream_autoregressive,
+    stream_generate,
+    stream_redrafter,
+)
 from redrafter_mlx.llm import TreeLLM
 
 import mlx.core as mx
@@ -160,3 +165,7 @@ def test_a_float16_drafter_stays_float16_where_it_drafts_from_int8_copies(monkey
     outs = stream_generate(model, drafter, prompt, beam_width=2, beam_length=3, max_tokens=24)
     assert [t for o in outs for t in o.tokens] == want
     assert drafter.dtype == mx.float32
+    scored = repeating_drafter(model, seed=6)
+    scored.set_dtype(mx.float16)
+    assert len(step_cost(model, scored, 1, 3)) == 3  # the --prune calibration: a float search
+    assert scored.dtype == mx.float32
