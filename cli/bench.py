@@ -105,19 +105,34 @@ def run_bench(
 
         return run
 
+    def as_shipped(steps):
+        """A run's steps, then the drafter back in its shipped dtype: a float search (W >= 2,
+        a budget) casts it in place, and the runs after it (W = 1's int8 drafts, AR) would
+        otherwise hold that cast and count it in their peaks. Casting back is exact: the cast
+        widened it."""
+        dtype = drafter.dtype
+        try:
+            yield from steps()
+        finally:
+            if drafter.dtype != dtype:
+                drafter.set_dtype(dtype)
+                mx.eval(drafter.parameters())  # frees the cast before the next run
+
     def redrafter(W: int, L: int, lookup: int, budget: TreeBudget | None = None, head=True):
         return seeded(
-            lambda ids: stream_generate(
-                model,
-                drafter,
-                ids,
-                beam_width=W,
-                beam_length=L,
-                profile=profile,
-                budget=budget,
-                lookup=lookup,
-                head_screen=head,
-                **kw,
+            lambda ids: as_shipped(
+                lambda: stream_generate(
+                    model,
+                    drafter,
+                    ids,
+                    beam_width=W,
+                    beam_length=L,
+                    profile=profile,
+                    budget=budget,
+                    lookup=lookup,
+                    head_screen=head,
+                    **kw,
+                )
             )
         )
 

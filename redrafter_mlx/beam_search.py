@@ -159,6 +159,7 @@ def make_proposer(
             return one_beam
     if dtype is not None and drafter.dtype != dtype:
         drafter.set_dtype(dtype)
+        mx.eval(drafter.parameters())  # now, not inside the first draft's time and peak
 
     def propose(hidden: mx.array, g0: mx.array) -> mx.array | tuple[mx.array, mx.array]:
         beams = beam_search(drafter, embed, hidden, g0, width, length, top_k=top_k)

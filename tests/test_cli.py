@@ -537,6 +537,45 @@ def test_float16_drafter_computes_in_the_llms_dtype(tiny_llm_dir, tmp_path):
     assert kept.dtype == mx.float16
 
 
+def test_bench_runs_after_a_float_search_see_the_shipped_float16_drafter(
+    tiny_llm_dir, tmp_path, monkeypatch
+):
+    """A W=2 search casts the float16 drafter to float32 in place; the runs after it in a grid
+    (W=1 here) must find it float16 again, or their peaks count a cast they do not use."""
+    import redrafter_mlx.generate as generate
+    from redrafter_mlx.loading import load
+    from redrafter_mlx.verification import SamplingParams
+
+    from redrafter_cli.bench import run_bench
+
+    folder = tmp_path / "fp16"
+    small = tiny_drafter(HIDDEN, VOCAB, seed=5)
+    small.set_dtype(mx.float16)
+    small.save_pretrained(folder)
+    model, tokenizer, drafter = load(tiny_llm_dir, folder, cast_drafter=False)
+    seen = []
+    real = generate.stream_generate
+
+    def spy(model, drafter, ids, **kw):
+        before = drafter.dtype
+        steps = real(model, drafter, ids, **kw)
+        seen.append((kw["beam_width"], before, drafter.dtype))  # after: the proposer is built
+        return steps
+
+    monkeypatch.setattr(generate, "stream_generate", spy)
+    ids = [tokenizer.encode("the cat sat"), tokenizer.encode("def f(x):")]
+    summary, _ = run_bench(
+        model, drafter, ids, [(2, 3), (1, 3)], SamplingParams(), 6,
+        tokenizer.eos_token_ids, None, False, lambda *_: None, lookups=(0,),
+    )  # fmt: skip
+    assert {w for w, *_ in seen} == {1, 2} and len(seen) == 6  # a warm-up and 2 prompts each
+    assert all(before == mx.float16 for _, before, _ in seen)  # every run starts as shipped
+    assert all(after == mx.float32 for w, _, after in seen if w == 2)  # the float search's cast
+    assert drafter.dtype == mx.float16
+    for row in summary.values():
+        assert row["identical_to_baseline"] == 2
+
+
 def test_a_stored_tune_holds_only_for_its_drafter_weights_blas_and_cpu(
     tiny_llm_dir, random_drafter_dir, tmp_path, monkeypatch, capsys
 ):
