@@ -47,9 +47,11 @@ def match_dtype(drafter: Drafter, model: nn.Module) -> None:
     """Make the drafter compute in the LLM's dtype, in place (a no-op once it does).
 
     Drafters ship in float16 to stay small, but on the CPU backend float16 matmuls are several
-    times slower than float32, and the few-row kernel (with the int8 one-beam drafts built on
-    it) takes float32 only: a float16 drafter beside a float32 LLM made a step of the demo
-    model ~25% slower. Outputs do not change (the LLM verifies every drafted token).
+    times slower than float32: a float16 beam search beside a float32 LLM made a step of the
+    demo model ~25% slower. The int8 one-beam drafts read float16 as it is, which is why
+    generation casts only where it searches in float (``dtype`` in
+    :func:`~redrafter_mlx.beam_search.make_proposer`; ``load(..., cast_drafter=False)``).
+    Outputs do not change (the LLM verifies every drafted token).
     """
     dtype = compute_dtype(model)
     if drafter.dtype != dtype:
