@@ -41,7 +41,9 @@ def train(
     max_steps: Annotated[int, opt("--max-steps", "Optimizer steps.")] = 1000,
     lr: Annotated[float, opt("--lr", "Peak learning rate (AdamW).")] = 1e-3,
     warmup: Annotated[int, opt("--warmup", "Linear warmup steps before cosine decay.")] = 50,
-    kl_weight: Annotated[float, opt("--kl-weight", "KL to the LLM's next token (0: off).")] = 0.0,
+    kl_weight: Annotated[
+        float, opt("--kl-weight", "Weight of the KL to the LLM's distributions (0: off).")
+    ] = 0.0,
     grad_clip: Annotated[float, opt("--grad-clip", "Max gradient norm (0: off).")] = 1.0,
     num_draft_layers: Annotated[int, opt("--num-draft-layers", "ResNet blocks in the head.")] = 2,
     no_rnn: Annotated[bool, opt("--no-rnn", "Additive state instead of the RNN.")] = False,

@@ -165,6 +165,11 @@ def drafter_loss(
 ):
     """Sum over horizons of the mean cross-entropy; also per-horizon (correct, count).
 
+    With ``kl_weight`` > 0 each horizon also pays ``kl_weight`` x KL(LLM || drafter) over the
+    draft vocabulary: the LLM's whole distribution for the token the horizon predicts (its
+    output rows times the hidden state that produced that token), not only its argmax, so
+    every answer token teaches the drafter the LLM's runner-up guesses too.
+
     The mean divides by ``norm`` when given (the global batch's target counts), so summing
     the gradients of micro-batches and ranks gives exactly the gradient of the whole batch.
     """
@@ -172,6 +177,11 @@ def drafter_loss(
     state = mx.zeros((B, T, H), dtype=drafter.dtype)
     total = mx.array(0.0)
     stats = []
+    teacher = None  # [B, T, V_d] log-probs of x_j given x_<j: the hidden state at j produced x_j
+    if kl_weight > 0 and llm_head is not None:
+        teacher = mx.stop_gradient(
+            nn.log_softmax(hidden.astype(mx.float32) @ llm_head.astype(mx.float32).T, axis=-1)
+        )
     for k in range(1, horizons + 1):
         # The state at j after reading x_j .. x_{j+k-1}; it predicts x_{j+k}.
         state = drafter.step(state, shift_left(embeddings, k - 1))
@@ -181,11 +191,9 @@ def drafter_loss(
         ce = nn.losses.cross_entropy(logits, mx.maximum(tgt, 0), reduction="none")
         n = mx.maximum(ok.sum(), 1) if norm is None else norm[k - 1]
         total = total + (ce * ok).sum() / n
-        if k == 1 and kl_weight > 0 and llm_head is not None:
-            # The LLM's distribution for x_{j+1} comes from the state at j + 1.
-            teacher = shift_left(hidden, 1).astype(mx.float32) @ llm_head.T
-            p = mx.softmax(teacher, axis=-1)
-            kl = (p * (mx.log(p + 1e-9) - nn.log_softmax(logits, axis=-1))).sum(-1)
+        if teacher is not None:
+            log_p = shift_left(teacher, k)  # the LLM's distribution for x_{j+k}
+            kl = (mx.exp(log_p) * (log_p - nn.log_softmax(logits, axis=-1))).sum(-1)
             total = total + kl_weight * (kl * ok).sum() / n
         correct = ((mx.argmax(logits, axis=-1) == tgt) & ok).sum()
         stats.append((correct, ok.sum()))

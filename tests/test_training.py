@@ -133,6 +133,42 @@ def test_loss_matches_a_per_position_reference():
     assert [int(n) for _, n in stats] == [len(h) for h in per_h]
 
 
+def test_kl_term_matches_a_per_position_reference():
+    """kl_weight adds, at every horizon k and position j, KL(LLM || drafter) with the LLM's
+    distribution for x_{j+k} taken from the hidden state at j + k (the one that produced it)."""
+    drafter, embed, examples, cfg = tiny_setup()
+    vocab_index = draft_vocab_index(drafter.config)
+    e = examples[0]
+    T, K = len(e.tokens), cfg.horizons
+    head = mx.random.normal((drafter.config.output_size, 16), key=mx.random.key(3))
+    args = (
+        embed(mx.array(e.tokens[None])),
+        mx.array(e.hidden[None]),
+        mx.array(vocab_index[e.tokens][None]),
+        mx.ones((1, T), mx.bool_),
+        K,
+    )
+    ce, _ = drafter_loss(drafter, *args)
+    loss, _ = drafter_loss(drafter, *args, llm_head=head, kl_weight=0.5)
+    per_h = [[] for _ in range(K)]
+    for j in range(T):
+        state = mx.zeros((1, 16))
+        for k in range(1, K + 1):
+            if j + k >= T:
+                break
+            state = drafter.step(state, embed(mx.array([int(e.tokens[j + k - 1])])))
+            if vocab_index[e.tokens[j + k]] < 0:
+                continue
+            logits = drafter.logits(mx.array(e.hidden[j : j + 1]), state)[0]
+            log_q = np.array(logits - mx.logsumexp(logits))
+            teacher = head @ mx.array(e.hidden[j + k])
+            log_p = np.array(teacher - mx.logsumexp(teacher))
+            per_h[k - 1].append(float((np.exp(log_p) * (log_p - log_q)).sum()))
+    kl = sum(np.mean(h) for h in per_h)
+    assert kl > 0.1
+    assert float(loss) == pytest.approx(float(ce) + 0.5 * kl, rel=1e-4)
+
+
 def test_draft_vocab_choice_and_coverage():
     _, _, examples, _ = tiny_setup()
     vocab, coverage = choose_draft_vocab(examples, 5, vocab_size=40)
