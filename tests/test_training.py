@@ -106,6 +106,20 @@ def test_generate_dataset_cache_does_not_depend_on_the_batch_size(tmp_path, monk
         np.testing.assert_allclose(hidden3[i], hidden[i], atol=1e-3)
 
 
+def reference_drafts(drafter, embed, e, K: int):
+    """(j, k, logits [V_d]) at every position j and horizon k whose target x_{j+k} is in the
+    draft vocabulary: the RNN run over x_j .. x_{j+k-1} one token at a time, conditioned on
+    the hidden state at j (the per-position reference the batched loss must match)."""
+    vocab_index = draft_vocab_index(drafter.config)
+    T = len(e.tokens)
+    for j in range(T):
+        state = mx.zeros((1, drafter.config.hidden_size))
+        for k in range(1, min(K, T - 1 - j) + 1):
+            state = drafter.step(state, embed(mx.array([int(e.tokens[j + k - 1])])))
+            if vocab_index[e.tokens[j + k]] >= 0:
+                yield j, k, drafter.logits(mx.array(e.hidden[j : j + 1]), state)[0]
+
+
 def test_loss_matches_a_per_position_reference():
     drafter, embed, examples, cfg = tiny_setup()
     vocab_index = draft_vocab_index(drafter.config)
@@ -116,18 +130,10 @@ def test_loss_matches_a_per_position_reference():
     targets = mx.array(vocab_index[e.tokens][None])
     valid = mx.ones((1, T), mx.bool_)
     loss, stats = drafter_loss(drafter, embed(tokens), hidden, targets, valid, K)
-    # Reference: at every position j run the RNN over x_j .. x_{j+k-1}, predict x_{j+k}.
     per_h = [[] for _ in range(K)]
-    for j in range(T):
-        state = mx.zeros((1, 16))
-        for k in range(1, K + 1):
-            if j + k >= T:
-                break
-            state = drafter.step(state, embed(mx.array([int(e.tokens[j + k - 1])])))
-            logits = drafter.logits(mx.array(e.hidden[j : j + 1]), state)[0]
-            t = vocab_index[e.tokens[j + k]]
-            if t >= 0:
-                per_h[k - 1].append(float(mx.logsumexp(logits) - logits[t]))
+    for j, k, logits in reference_drafts(drafter, embed, e, K):
+        t = vocab_index[e.tokens[j + k]]
+        per_h[k - 1].append(float(mx.logsumexp(logits) - logits[t]))
     want = sum(np.mean(h) for h in per_h)
     assert float(loss) == pytest.approx(want, rel=1e-4)
     assert [int(n) for _, n in stats] == [len(h) for h in per_h]
@@ -151,19 +157,11 @@ def test_kl_term_matches_a_per_position_reference():
     ce, _ = drafter_loss(drafter, *args)
     loss, _ = drafter_loss(drafter, *args, llm_head=head, kl_weight=0.5)
     per_h = [[] for _ in range(K)]
-    for j in range(T):
-        state = mx.zeros((1, 16))
-        for k in range(1, K + 1):
-            if j + k >= T:
-                break
-            state = drafter.step(state, embed(mx.array([int(e.tokens[j + k - 1])])))
-            if vocab_index[e.tokens[j + k]] < 0:
-                continue
-            logits = drafter.logits(mx.array(e.hidden[j : j + 1]), state)[0]
-            log_q = np.array(logits - mx.logsumexp(logits))
-            teacher = head @ mx.array(e.hidden[j + k])
-            log_p = np.array(teacher - mx.logsumexp(teacher))
-            per_h[k - 1].append(float((np.exp(log_p) * (log_p - log_q)).sum()))
+    for j, k, logits in reference_drafts(drafter, embed, e, K):
+        log_q = np.array(logits - mx.logsumexp(logits))
+        teacher = head @ mx.array(e.hidden[j + k])
+        log_p = np.array(teacher - mx.logsumexp(teacher))
+        per_h[k - 1].append(float((np.exp(log_p) * (log_p - log_q)).sum()))
     kl = sum(np.mean(h) for h in per_h)
     assert kl > 0.1
     assert float(loss) == pytest.approx(float(ce) + 0.5 * kl, rel=1e-4)
